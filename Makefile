@@ -1,0 +1,34 @@
+# unison — the two front-door commands:
+#   make demo   install (into .venv) and run the main job on built-in defaults
+#   make test   install and run the default test suite (fast; `-m slow` excluded)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.unison-installed
+OUT ?= runs/demo
+
+.PHONY: install demo test test-slow bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/unison probe --out $(OUT)/probe
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+bench: install
+	$(PY) benchmarks/rollout_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .unison-test-home

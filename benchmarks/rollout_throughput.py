@@ -1,0 +1,79 @@
+"""Rollout throughput: the native KV-cache engine vs Hugging Face ``generate``.
+
+Same model, same prompts, batch and response length (EOS ignored so both
+produce exactly ``--max-new-tokens`` per response), per dtype, both measured
+in this one run. Prints JSON; compare the ``native_over_hf`` ratios, not the
+absolute numbers (shared machines are noisy).
+
+    python benchmarks/rollout_throughput.py [--model DIR] [--batch 32] [--max-new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from unison.models import load_model, resolve_model_dir
+from unison.precision import DTYPES
+from unison.rollout import SamplingParams, make_engine
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtypes", default="fp32,bf16,fp16")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model_dir = resolve_model_dir(args.model)
+    texts = ["12+35=", "Once upon a time", "def add(a, b):\n", "Let n be a positive integer."]
+    results = []
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name]
+        engine = make_engine("native", model_dir, dtype)
+        tok = engine.tokenizer
+        prompts = [tok(texts[i % len(texts)])["input_ids"] for i in range(args.batch)]
+        params = SamplingParams(n=1, max_tokens=args.max_new_tokens, seed=0, ignore_eos=True)
+        n_tokens = args.batch * args.max_new_tokens
+        engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
+        t_native = best_of(lambda: engine.generate(prompts, params), args.repeats)
+
+        hf = load_model(model_dir, dtype=dtype)
+        enc = tok([texts[i % len(texts)] for i in range(args.batch)], return_tensors="pt", padding=True)
+
+        def hf_generate():
+            with torch.no_grad():
+                out = hf.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                  max_new_tokens=args.max_new_tokens,
+                                  min_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id)
+            assert out.shape[1] - enc["input_ids"].shape[1] == args.max_new_tokens
+
+        hf_generate()
+        t_hf = best_of(hf_generate, args.repeats)
+        results.append({
+            "dtype": name, "batch": args.batch, "new_tokens": args.max_new_tokens,
+            "native_tokens_per_s": round(n_tokens / t_native, 1),
+            "hf_generate_tokens_per_s": round(n_tokens / t_hf, 1),
+            "native_over_hf": round(t_hf / t_native, 2),
+        })
+        del engine, hf
+    print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir),
+                      "threads": torch.get_num_threads(), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

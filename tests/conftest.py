@@ -1,0 +1,25 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Built-in models are cached here for the test session (and reused between runs).
+os.environ.setdefault("UNISON_HOME", str(ROOT / ".unison-test-home"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SHARED = ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    from unison.models import builtin_model_dir
+
+    return builtin_model_dir("tiny")
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    path = SHARED / "data" / "math"
+    if not path.exists():
+        pytest.skip("../shared/data/math is not present next to the repository")
+    return path

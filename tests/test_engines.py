@@ -1,0 +1,117 @@
+"""The native rollout engine against the learner, and the tiny model."""
+
+import torch
+import pytest
+
+from unison.batch import collate
+from unison.errors import UnisonError
+from unison.learner import Learner
+from unison.mismatch import mismatch_metrics
+from unison.models import TinySpec, build_tiny_model, load_model, load_tokenizer
+from unison.rollout import SamplingParams, make_engine
+
+
+@pytest.fixture(scope="module")
+def fp32_pair(tiny_dir):
+    return make_engine("native", tiny_dir, torch.float32), Learner(tiny_dir)
+
+
+def _prompts(tok):
+    return [tok(p)["input_ids"] for p in ["12+35=", "Once upon a time, there", "x"]]
+
+
+def test_fp32_engine_agrees_with_learner(fp32_pair):
+    engine, learner = fp32_pair
+    comps = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=3, max_tokens=40, seed=3))
+    batch = collate(comps, engine.pad_id)
+    logp = learner.score(batch)
+    diff = (logp - batch.logp_mu).abs()[batch.response_mask.bool()]
+    assert diff.numel() > 30
+    assert diff.max().item() < 1e-4  # cached vs full path, fp32 rounding only
+    # prompts of different lengths were left-padded in the engine: positions must be right
+    assert {c.prompt_index for c in comps} == {0, 1, 2}
+
+
+def test_results_are_prompt_major_with_n_samples_and_finish_reasons(fp32_pair):
+    engine, _ = fp32_pair
+    comps = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=4, max_tokens=30, seed=0))
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [(p, s) for p in range(3) for s in range(4)]
+    for c in comps:
+        assert 1 <= len(c.token_ids) <= 30 and len(c.logprobs) == len(c.token_ids)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in engine.eos_ids
+            assert all(t not in engine.eos_ids for t in c.token_ids[:-1])
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 30
+        assert all(lp <= 0 for lp in c.logprobs)
+
+
+def test_same_seed_same_samples_other_seed_differs(fp32_pair):
+    engine, _ = fp32_pair
+    ps = _prompts(engine.tokenizer)
+    a = engine.generate(ps, SamplingParams(n=2, max_tokens=20, seed=7))
+    b = engine.generate(ps, SamplingParams(n=2, max_tokens=20, seed=7))
+    c = engine.generate(ps, SamplingParams(n=2, max_tokens=20, seed=8))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_load_weights_changes_the_engine(tiny_dir):
+    engine = make_engine("native", tiny_dir, torch.float32)
+    learner = Learner(tiny_dir)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ps = _prompts(engine.tokenizer)
+    before = collate(engine.generate(ps, SamplingParams(max_tokens=16, seed=1)), engine.pad_id)
+    gap_before = (learner.score(before) - before.logp_mu).abs().max().item()
+    assert gap_before > 1e-2  # the engine still has the old weights
+    assert engine.load_weights(learner.named_weights()) == len(list(learner.model.parameters()))
+    after = collate(engine.generate(ps, SamplingParams(max_tokens=16, seed=1)), engine.pad_id)
+    assert (learner.score(after) - after.logp_mu).abs().max().item() < 1e-4
+
+
+def test_low_precision_engine_holds_weights_in_its_dtype(tiny_dir):
+    engine = make_engine("native", tiny_dir, torch.bfloat16)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    learner = Learner(tiny_dir)
+    engine.load_weights(learner.named_weights())
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in learner.model.parameters()} == {torch.float32}
+
+
+def test_precision_orders_the_mismatch(tiny_dir):
+    learner = Learner(tiny_dir)
+    k3 = {}
+    for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]:
+        engine = make_engine("native", tiny_dir, dtype)
+        batch = collate(engine.generate(_prompts(engine.tokenizer) * 2,
+                                        SamplingParams(n=2, max_tokens=48, seed=0)), engine.pad_id)
+        learner.compute_dtype = dtype
+        k3[name] = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)["mismatch/k3"]
+    assert k3["bf16"] > 5 * k3["fp16"] > 5 * k3["fp32"]
+
+
+def test_context_overflow_is_a_user_error(fp32_pair):
+    engine, _ = fp32_pair
+    with pytest.raises(UnisonError, match="exceeds the model's context"):
+        engine.generate([[1, 5, 6]], SamplingParams(max_tokens=5000))
+
+
+def test_tiny_model_is_deterministic_and_loads_with_auto_classes(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = TinySpec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, intermediate_size=64, seed=5)
+    a = load_model(build_tiny_model(tmp_path / "a", spec)).state_dict()
+    b = load_model(build_tiny_model(tmp_path / "b", spec)).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert model.config.model_type == "llama" and model.config.vocab_size == len(tok)
+    text = "Q: 12+7=?\nA: 19."
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1  # one token per character
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert load_tokenizer(tiny_dir).padding_side == "left"

@@ -1,0 +1,5 @@
+import sys
+
+from unison.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""The data that flows through the loop: completions from a rollout engine and the padded batch.
+
+Layout of :class:`RolloutBatch` (one row per response)::
+
+    tokens         [B, L]  prompt + response, right-padded with pad_id
+    attention_mask [B, L]  1 on prompt and response tokens, 0 on padding
+    response_mask  [B, L]  1 exactly on response tokens (EOS included when generated)
+    logp_mu        [B, L]  log μ(tokens[t] | tokens[<t]) from the rollout engine, 0 off-response
+
+Per-token tensors are aligned with ``tokens``: position ``t`` holds the
+log-probability of ``tokens[:, t]`` given everything before it. Keeping one
+alignment everywhere removes the classic off-by-one of shifted logits.
+Later stages fill ``logp_old`` (the learner's score pass), ``rewards``,
+``advantages`` and correction ``weights``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled response, as a rollout engine returns it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    #: log μ of each sampled token under the distribution actually sampled
+    #: from (temperature, top-k and top-p applied).
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS) or "length" (max tokens)
+    prompt_index: int = 0
+    sample_index: int = 0
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError("token_ids and logprobs must have the same length")
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    logp_mu: torch.Tensor
+    prompt_lens: torch.Tensor      # [B]
+    response_lens: torch.Tensor    # [B]
+    group_ids: torch.Tensor        # [B] index of the prompt each response answers
+    truncated: torch.Tensor        # [B] bool: finished by max tokens, not EOS
+    logp_old: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
+        """Rows ``idx`` of every per-row tensor (for mini-batches)."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        out = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                out[name] = value[idx]
+            elif name == "extras":
+                out[name] = {k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+            else:
+                out[name] = value
+        return RolloutBatch(**out)
+
+
+def collate(completions: list[Completion], pad_id: int) -> RolloutBatch:
+    """Right-pad completions into a :class:`RolloutBatch`."""
+    if not completions:
+        raise ValueError("collate needs at least one completion")
+    B = len(completions)
+    L = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    resp = torch.zeros((B, L), dtype=torch.float32)
+    logp_mu = torch.zeros((B, L), dtype=torch.float32)
+    for i, c in enumerate(completions):
+        p, r = len(c.prompt_ids), len(c.token_ids)
+        tokens[i, :p] = torch.tensor(c.prompt_ids, dtype=torch.long)
+        if r:
+            tokens[i, p:p + r] = torch.tensor(c.token_ids, dtype=torch.long)
+            logp_mu[i, p:p + r] = torch.tensor(c.logprobs, dtype=torch.float32)
+            resp[i, p:p + r] = 1.0
+        attention[i, :p + r] = 1
+    return RolloutBatch(
+        tokens=tokens, attention_mask=attention, response_mask=resp, logp_mu=logp_mu,
+        prompt_lens=torch.tensor([len(c.prompt_ids) for c in completions]),
+        response_lens=torch.tensor([len(c.token_ids) for c in completions]),
+        group_ids=torch.tensor([c.prompt_index for c in completions]),
+        truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
+    )

@@ -1,0 +1,98 @@
+"""The ``unison`` command line. User errors print one line and exit with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from unison.errors import UnisonError
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser(
+        "probe", help="measure the training–inference mismatch per engine and precision",
+        description="Sample responses with the rollout engine (μ), score them with the learner (π) "
+                    "in the same precision, and report every mismatch/* metric per arm. "
+                    "Writes OUT/probe.json and OUT/plots/*.png.")
+    p.add_argument("--model", default=None, help="local HF model directory (default: built-in tiny model)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL file, one {\"prompt\": ...} per line (default: built-in prompts)")
+    p.add_argument("--precision", default="fp32,bf16,fp16",
+                   help="comma-separated precisions, each sets both engines (default: fp32,bf16,fp16)")
+    p.add_argument("--engine", default="native", help="comma-separated rollout engines (default: native)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="max response length (default: 512)")
+    p.add_argument("--n", type=int, default=8, help="responses per prompt (default: 8)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
+    p.set_defaults(func=cmd_probe)
+
+
+def cmd_probe(args) -> int:
+    from rich.console import Console
+
+    from unison.probe import ProbeConfig, format_table, ratio, run_probe, write_outputs
+
+    cfg = ProbeConfig(model=args.model, prompts=args.prompts, precisions=_csv(args.precision),
+                      engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, seed=args.seed, device=args.device)
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
+    out = run_probe(cfg)
+    written = write_outputs(out, out_dir)
+    console = Console(width=max(Console().width, 120))
+    console.print(format_table(out["results"], out["timings"]))
+    by = {(r["engine"], r["precision"]): r for r in out["results"]}
+    for eng in cfg.engines:
+        bf, fp = by.get((eng, "bf16")), by.get((eng, "fp16"))
+        if bf and fp:
+            rk = ratio(bf["mismatch/k3"], fp["mismatch/k3"])
+            rs = ratio(bf["mismatch/seq_kl"], fp["mismatch/seq_kl"])
+            rs3 = ratio(bf["mismatch/seq_kl_k3"], fp["mismatch/seq_kl_k3"])
+            console.print(f"{eng}: bf16/fp16 ratio of token k3 = {_fmt(rk)}, of seq KL = {_fmt(rs)}, "
+                          f"of seq KL (k3 sum) = {_fmt(rs3)}")
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _fmt(x) -> str:
+    return "–" if x is None else f"{x:.1f}x"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from unison import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="unison", description="RL fine-tuning of language models in which the trainer and "
+                                   "the sampler agree.")
+    parser.add_argument("--version", action="version", version=f"unison {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_probe(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UnisonError as e:
+        print(f"unison: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("unison: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Reading JSONL input with errors that name the file, the line and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from unison.errors import UnisonError
+
+
+def read_jsonl(path: str | Path, required: dict[str, type | tuple[type, ...]] | None = None,
+               alternatives: dict[str, tuple[str, ...]] | None = None) -> list[dict]:
+    """Rows of a JSONL file, each checked to be an object with ``required`` fields and types.
+
+    ``alternatives`` maps a required field to other accepted names (the first
+    present wins and is copied under the required name). Blank lines are skipped.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UnisonError(f"data file '{path}' does not exist: check the path")
+    if not path.is_file():
+        raise UnisonError(f"data path '{path}' is not a file: pass a .jsonl file")
+    required = required or {}
+    alternatives = alternatives or {}
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UnisonError(f"{path}:{lineno}: not valid JSON ({e.msg}): "
+                                  f"write one JSON object per line") from e
+            if not isinstance(row, dict):
+                raise UnisonError(f"{path}:{lineno}: expected a JSON object, got "
+                                  f"{type(row).__name__}: write one object per line")
+            for name, typ in required.items():
+                if name not in row:
+                    for alt in alternatives.get(name, ()):
+                        if alt in row:
+                            row[name] = row[alt]
+                            break
+                if name not in row:
+                    names = " or ".join(repr(n) for n in (name, *alternatives.get(name, ())))
+                    raise UnisonError(f"{path}:{lineno}: missing field {names}: add it to every row")
+                if not isinstance(row[name], typ) or isinstance(row[name], bool) and typ is not bool:
+                    want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+                    raise UnisonError(f"{path}:{lineno}: field '{name}' must be {want}, got "
+                                      f"{type(row[name]).__name__}: fix that row")
+            rows.append(row)
+    if not rows:
+        raise UnisonError(f"data file '{path}' has no rows: add at least one JSON object")
+    return rows

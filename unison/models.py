@@ -1,0 +1,207 @@
+"""Loading causal LMs from local Hugging Face directories, and the built-in tiny model.
+
+Models are always local: a directory with ``config.json`` (and weights), or the
+built-in tiny model, which is built deterministically from a seed on first use
+and cached under ``$UNISON_HOME/models`` (default ``~/.cache/unison``). Nothing
+is ever downloaded from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from unison.errors import UnisonError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+#: Architectures whose decoder layers the native rollout engine knows how to run.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+BUILTIN_PREFIX = "builtin:"
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+#: Characters of the built-in tokenizer: printable ASCII (digits, letters,
+#: punctuation, space) plus newline. One token per character.
+CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape and seed of the built-in Llama-style tiny model."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 1024
+    #: std of the random init. Larger than HF's 0.02 so that an untrained
+    #: model has peaked (low-entropy) next-token distributions, as trained
+    #: LMs do; the precision mismatch is then visible (see ENVIRONMENT.md).
+    initializer_range: float = 0.1
+    seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps({**asdict(self), "charset": CHARSET, "v": 1}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+BUILTIN_SPECS = {"tiny": TinySpec()}
+
+
+def unison_home() -> Path:
+    return Path(os.environ.get("UNISON_HOME", Path.home() / ".cache" / "unison"))
+
+
+def build_char_tokenizer():
+    """A character-level tokenizer made with the `tokenizers` library.
+
+    A BPE model with an empty merge list splits text into single characters;
+    the ``Fuse`` decoder joins them back without spaces. Wrapped in
+    ``PreTrainedTokenizerFast`` so ``AutoTokenizer`` (and vLLM) load it.
+    """
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD, BOS, EOS, UNK]
+    vocab = {tok: i for i, tok in enumerate(specials + list(CHARSET))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.add_special_tokens(specials)
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        padding_side="left", clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(out_dir: Path, spec: TinySpec = TinySpec()) -> Path:
+    """Build the tiny model deterministically from ``spec.seed`` and save it as an HF dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _quiet_transformers()
+    tok = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def builtin_model_dir(name: str = "tiny") -> Path:
+    """Path of a built-in model, building and caching it on first use (atomic)."""
+    if name not in BUILTIN_SPECS:
+        raise UnisonError(
+            f"unknown built-in model '{name}': choose one of {', '.join(BUILTIN_SPECS)}"
+        )
+    spec = BUILTIN_SPECS[name]
+    final = unison_home() / "models" / f"{name}-{spec.key()}"
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        build_tiny_model(tmp, spec)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process won the race
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """Turn ``--model`` into a checked local directory. ``None`` means the built-in tiny model."""
+    if model is None or str(model) == "":
+        return builtin_model_dir("tiny")
+    text = str(model)
+    if text.startswith(BUILTIN_PREFIX):
+        return builtin_model_dir(text[len(BUILTIN_PREFIX):])
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise UnisonError(
+            f"model directory '{path}' does not exist: pass a local Hugging Face model "
+            f"directory, or omit --model to use the built-in tiny model"
+        )
+    if not path.is_dir():
+        raise UnisonError(f"model path '{path}' is not a directory: pass a Hugging Face model directory")
+    if not (path / "config.json").exists():
+        raise UnisonError(
+            f"model directory '{path}' has no config.json: pass a directory saved with "
+            f"save_pretrained (config.json, weights, tokenizer files)"
+        )
+    return path
+
+
+def model_type(model_dir: Path) -> str:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type", "?")
+    except json.JSONDecodeError as e:
+        raise UnisonError(f"{model_dir / 'config.json'} is not valid JSON ({e.msg}): re-save the model") from e
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's tokenizer, with a pad token and left padding for generation."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise UnisonError(f"cannot load a tokenizer from '{model_dir}' ({type(e).__name__}): "
+                          f"save the tokenizer files next to the weights") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load an HF causal LM in ``dtype`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    mtype = model_type(model_dir)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise UnisonError(
+            f"model type '{mtype}' in '{model_dir}' is not supported: unison runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama/Mistral/Qwen2/Qwen3-style) models"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    except OSError as e:
+        raise UnisonError(f"cannot load weights from '{model_dir}' ({e}): check the directory "
+                          f"holds model.safetensors or pytorch_model.bin") from e
+    return model.to(device).eval()

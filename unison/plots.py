@@ -1,0 +1,59 @@
+"""Plots (matplotlib, Agg backend: files only, no screen)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def probe_plots(results: list[dict], samples: list[dict], plot_dir: Path) -> list[Path]:
+    """π-vs-μ token-probability scatter per arm, and sequence log-ratio against length."""
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    k = len(samples)
+    fig, axes = plt.subplots(1, k, figsize=(4.2 * k, 4.2), squeeze=False)
+    for ax, s, r in zip(axes[0], samples, results):
+        ax.scatter(s["p_mu"], s["p_pi"], s=3, alpha=0.4, rasterized=True)
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("μ(y_t)  rollout engine")
+        ax.set_ylabel("π(y_t)  learner")
+        ax.set_title(f"{s['engine']}/{s['precision']}  k3={r['mismatch/k3']:.2g}\n"
+                     f"mean |π−μ|={r['mismatch/prob_diff_mean']:.2g}", fontsize=9)
+    fig.suptitle("sampled-token probabilities: learner vs rollout engine")
+    fig.tight_layout()
+    paths.append(_save(fig, plot_dir / "token_probs_scatter.png"))
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for s, r in zip(samples, results):
+        x = np.asarray(s["lengths"], dtype=float)
+        y = np.asarray(s["seq_log_ratio"], dtype=float)
+        sc = ax.scatter(x, y, s=10, alpha=0.6, label=f"{s['engine']}/{s['precision']}")
+        slope = r.get("seq_log_ratio_slope_per_1k")
+        if slope is not None and len(x) > 1:
+            xs = np.linspace(x.min(), x.max(), 20)
+            b = y.mean() - slope / 1000 * x.mean()
+            ax.plot(xs, b + slope / 1000 * xs, color=sc.get_facecolor()[0], lw=1.5,
+                    label=f"fit: {slope:+.3g} per 1K tokens")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("response length (tokens)")
+    ax.set_ylabel("log π(y) − log μ(y)")
+    ax.set_title("sequence log-ratio against response length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, plot_dir / "seq_log_ratio_vs_length.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

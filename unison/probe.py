@@ -1,0 +1,203 @@
+"""``unison probe``: measure the training–inference mismatch offline (Paper A, Fig. 5).
+
+For each (engine, precision) arm: sample responses with the rollout engine
+(μ), score the same tokens with the learner's full forward pass (π) in the
+same precision, and compute every ``mismatch/*`` metric, the per-response
+sequence log-ratio and its fitted slope against response length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from unison.batch import collate
+from unison.data_io import read_jsonl
+from unison.errors import UnisonError
+from unison.learner import Learner
+from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
+from unison.models import load_tokenizer, resolve_model_dir
+from unison.precision import Precision, parse_precision
+from unison.rollout import SamplingParams, make_engine, parse_engine
+
+
+@dataclass
+class ProbeConfig:
+    model: str | None = None          # None: built-in tiny model
+    prompts: str | None = None        # None: built-in prompts
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
+    engines: list[str] = field(default_factory=lambda: ["native"])
+    n: int = 8
+    max_new_tokens: int = 512
+    temperature: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+
+
+def load_prompts(path: str | None) -> list[str]:
+    """Prompt strings from a JSONL file (field ``prompt``, or ``problem``), or the built-in ones."""
+    if path is None:
+        ref = resources.files("unison") / "data" / "prompts.jsonl"
+        with resources.as_file(ref) as p:
+            rows = read_jsonl(p, {"prompt": str})
+    else:
+        rows = read_jsonl(path, {"prompt": str}, {"prompt": ("problem",)})
+    return [r["prompt"] for r in rows]
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt, through the chat template when the tokenizer has one."""
+    out = []
+    for p in prompts:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(p)["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def validate(cfg: ProbeConfig) -> tuple[Path, list[str], list[str], list[str]]:
+    """Check every input before anything runs or is written."""
+    precisions = [parse_precision(p) for p in cfg.precisions]
+    engines = [parse_engine(e) for e in cfg.engines]
+    if not precisions:
+        raise UnisonError("--precision is empty: name at least one of fp32, bf16, fp16")
+    if cfg.n < 1 or cfg.max_new_tokens < 1:
+        raise UnisonError("--n and --max-new-tokens must be at least 1")
+    if cfg.temperature <= 0:
+        raise UnisonError(f"--temperature {cfg.temperature} is invalid: the probe needs a positive temperature")
+    prompts = load_prompts(cfg.prompts)
+    model_dir = resolve_model_dir(cfg.model)
+    return model_dir, precisions, engines, prompts
+
+
+def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+    """Run every arm; return ``{"results": [...], "config": ..., "samples": ...}``.
+
+    ``samples`` (token probabilities and per-response log-ratios, for plots) is
+    not part of ``probe.json``.
+    """
+    model_dir, precisions, engines, prompts = validate(cfg)
+    tokenizer = load_tokenizer(model_dir)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                            seed=cfg.seed)
+    learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature)
+    results, samples, timings = [], [], []
+    for engine_name in engines:
+        for prec_name in precisions:
+            prec = Precision.resolve(prec_name)
+            label = f"{engine_name}/{prec.label}"
+            log(f"[probe] {label}: loading engine ({prec.rollout})")
+            engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device)
+            log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
+                f"(max {cfg.max_new_tokens} new tokens)")
+            t0 = time.perf_counter()
+            completions = engine.generate(prompt_ids, params)
+            t_roll = time.perf_counter() - t0
+            batch = collate(completions, engine.pad_id)
+            log(f"[probe] {label}: scoring {batch.num_response_tokens} tokens with the learner")
+            learner.compute_dtype = prec.learner_dtype
+            t0 = time.perf_counter()
+            logp_pi = learner.score(batch)
+            t_score = time.perf_counter() - t0
+            mask = batch.response_mask
+            metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
+            seq_lr = seq_log_ratio(logp_pi, batch.logp_mu, mask)
+            lengths = batch.response_lens
+            results.append({
+                "engine": engine_name,
+                "precision": prec.label,
+                **metrics,
+                "num_responses": batch.size,
+                "mean_response_length": float(lengths.float().mean()),
+                "truncated_fraction": float(batch.truncated.float().mean()),
+                "seq_log_ratio_slope_per_1k": length_slope(seq_lr, lengths),
+            })
+            sel = mask.bool()
+            samples.append({"engine": engine_name, "precision": prec.label,
+                            "p_pi": logp_pi[sel].exp().tolist(), "p_mu": batch.logp_mu[sel].exp().tolist(),
+                            "seq_log_ratio": seq_lr.tolist(), "lengths": lengths.tolist()})
+            timings.append({"engine": engine_name, "precision": prec.label, "rollout_s": t_roll,
+                            "score_s": t_score,
+                            "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
+            del engine
+    config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
+              "precisions": precisions, "engines": engines, "num_prompts": len(prompts)}
+    return {"results": results, "config": config, "samples": samples, "timings": timings}
+
+
+def write_outputs(out: dict, out_dir: Path) -> list[Path]:
+    """Write ``probe.json`` (atomically) and the plots into ``out_dir``."""
+    from unison.plots import probe_plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"results": out["results"], "config": out["config"]}
+    written = [atomic_write_text(out_dir / "probe.json", json.dumps(payload, indent=2) + "\n")]
+    written += probe_plots(out["results"], out["samples"], out_dir / "plots")
+    return written
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temporary file and rename: never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b not in (0, 0.0) else None
+
+
+def format_table(results: list[dict], timings: list[dict] | None = None):
+    """A rich Table of the main metrics per arm."""
+    from rich.table import Table
+
+    table = Table(title="training–inference mismatch (μ = rollout engine, π = learner)")
+    cols = [("engine", "engine"), ("precision", "precision"), ("tokens", "mismatch/num_tokens"),
+            ("mean len", "mean_response_length"), ("token k3", "mismatch/k3"),
+            ("seq KL", "mismatch/seq_kl"), ("seq KL (k3)", "mismatch/seq_kl_k3"), ("mean |π−μ|", "mismatch/prob_diff_mean"),
+            ("max |π−μ|", "mismatch/prob_diff_max"), ("slope/1K", "seq_log_ratio_slope_per_1k")]
+    for name, _ in cols:
+        table.add_column(name, justify="left" if name in ("engine", "precision") else "right")
+    if timings:
+        table.add_column("tok/s", justify="right")
+    for i, r in enumerate(results):
+        row = []
+        for _, key in cols:
+            v = r.get(key)
+            if isinstance(v, str):
+                row.append(v)
+            elif v is None:
+                row.append("–")
+            elif isinstance(v, int):
+                row.append(str(v))
+            elif key == "mean_response_length":
+                row.append(f"{v:.1f}")
+            else:
+                row.append(f"{v:.3g}")
+        if timings:
+            row.append(f"{timings[i]['rollout_tokens_per_s']:.0f}")
+        table.add_row(*row)
+    return table

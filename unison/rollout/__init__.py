@@ -1,0 +1,32 @@
+"""Rollout engines (the sampling distribution μ).
+
+Every engine returns :class:`unison.batch.Completion` objects and takes
+weights from the learner with ``load_weights``. Engines never call the
+learner's scoring code: the gap between the two is what unison measures.
+"""
+
+from __future__ import annotations
+
+from unison.errors import UnisonError
+from unison.rollout.base import SamplingParams
+
+ENGINES = ("native",)
+
+
+def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options):
+    """Build a rollout engine by name."""
+    if name == "native":
+        from unison.rollout.native import NativeEngine
+
+        return NativeEngine(model_dir, dtype=dtype, device=device, **options)
+    raise UnisonError(f"unknown engine '{name}': choose one of {', '.join(ENGINES)}")
+
+
+def parse_engine(name: str) -> str:
+    key = str(name).strip().lower()
+    if key not in ENGINES:
+        raise UnisonError(f"unknown engine '{name}': choose one of {', '.join(ENGINES)}")
+    return key
+
+
+__all__ = ["SamplingParams", "make_engine", "parse_engine", "ENGINES"]
