@@ -62,6 +62,55 @@ def cmd_probe(args) -> int:
     return 0
 
 
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="run RL training from a YAML config",
+                       description="Run the RL loop. Writes config.yaml, metrics.jsonl, summary.json, "
+                                   "checkpoints/ and plots/ into --out.")
+    p.add_argument("config", help="YAML config (see configs/ and docs/config.md)")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-5 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from unison.config import load_config
+    from unison.trainer import Trainer
+
+    cfg = load_config(args.config, args.set)
+    summary = Trainer(cfg, args.out, resume=args.resume).fit()
+    print(f"done: {summary['steps']} steps, reward {summary['reward_first']} -> "
+          f"{summary['reward_last']} (last-5 mean {summary['reward_last5_mean']}); run in {args.out}")
+    return 0
+
+
+def _add_sft(sub) -> None:
+    p = sub.add_parser("sft", help="supervised warm start on task demonstrations",
+                       description="Train the model on prompt -> reference answer (the config's task "
+                                   "and sft section), report eval accuracy, save OUT/model.")
+    p.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("--out", required=True, help="output directory (the model goes to OUT/model)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set sft.steps=300 (repeatable)")
+    p.set_defaults(func=cmd_sft)
+
+
+def cmd_sft(args) -> int:
+    from unison.config import load_config
+    from unison.sft import run_sft
+
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
+    s = run_sft(cfg, out)
+    print(f"sft: eval accuracy {s['eval_accuracy_sampled']:.3f} sampled at T={s['temperature']}, "
+          f"{s['eval_accuracy_greedy']:.3f} greedy; train accuracy {s['train_accuracy_sampled']:.3f}; "
+          f"model in {out / 'model'}")
+    return 0
+
+
 def _fmt(x) -> str:
     return "–" if x is None else f"{x:.1f}x"
 
@@ -75,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"unison {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_probe(sub)
+    _add_sft(sub)
+    _add_train(sub)
     return parser
 
 

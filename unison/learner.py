@@ -19,13 +19,15 @@ from unison.precision import autocast
 
 def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, compute_dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> torch.Tensor:
+                   device: str | torch.device = "cpu", return_entropy: bool = False):
     """log π(tokens[:, t] | tokens[:, <t]) for every position, aligned with ``tokens``.
 
     Position 0 has no context and is set to 0; so are padding positions (mask
     them with the response mask). The forward runs under autocast in
     ``compute_dtype``; logits are cast to fp32 and divided by ``temperature``
     before the log-softmax. Gradients flow when called outside ``no_grad``.
+    With ``return_entropy`` also returns the (detached) entropy of the
+    next-token distribution at each position, aligned the same way.
     """
     tokens = tokens.to(device)
     attention_mask = attention_mask.to(device)
@@ -34,9 +36,16 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    lsm = torch.log_softmax(logits, dim=-1)
+    logp = lsm.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
-    return logp * attention_mask.to(logp.dtype)
+    logp = logp * attention_mask.to(logp.dtype)
+    if not return_entropy:
+        return logp
+    with torch.no_grad():
+        ent = -(lsm.exp() * lsm).sum(-1)
+        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    return logp, ent
 
 
 class Learner:

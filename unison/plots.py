@@ -57,3 +57,43 @@ def _save(fig, path: Path) -> Path:
     plt.close(fig)
     tmp.replace(path)
     return path
+
+
+RUN_PANELS = [
+    ("reward/mean", "training reward"),
+    ("mismatch/k3", "token k3 (μ‖π)"),
+    ("mismatch/prob_diff_mean", "mean |π − μ|"),
+    ("response_length/mean", "response length"),
+    ("optim/lr", "learning rate"),
+    ("optim/loss_scale", "loss scale"),
+]
+
+
+def run_plots(run_dirs, out_dir: Path | None = None) -> list[Path]:
+    """Curves against step for one or more run directories (overlaid), one PNG per metric
+    plus an overview grid. Written to ``out_dir`` (default: the single run's ``plots/``)."""
+    import json
+
+    if isinstance(run_dirs, (str, Path)):
+        run_dirs = [Path(run_dirs)]
+    run_dirs = [Path(d) for d in run_dirs]
+    out_dir = Path(out_dir) if out_dir else run_dirs[0] / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    series = {}
+    for d in run_dirs:
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        series[d.name] = rows
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (key, title) in zip(axes.flat, RUN_PANELS):
+        for name, rows in series.items():
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), label=name, lw=1.3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        if key in ("mismatch/k3", "mismatch/prob_diff_mean", "optim/loss_scale"):
+            if any(r.get(key) for rows in series.values() for r in rows):
+                ax.set_yscale("log")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    return [_save(fig, out_dir / "training_curves.png")]

@@ -1,0 +1,53 @@
+import pytest
+
+from unison.config import Config, dump_config, load_config
+from unison.errors import UnisonError
+
+
+def test_defaults_and_contract_keys_take_set_overrides():
+    cfg = load_config(None, ["seed=3", "precision=fp16", "engine=native", "algo=grpo_token_tis",
+                             "train.steps=7", "train.lr=1e-5", "checkpoint.every=2"])
+    assert (cfg.seed, cfg.precision, cfg.engine, cfg.algo) == (3, "fp16", "native", "grpo_token_tis")
+    assert (cfg.train.steps, cfg.train.lr, cfg.checkpoint.every) == (7, 1e-5, 2)
+
+
+def test_yaml_file_and_round_trip(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("precision: bf16\ntrain:\n  lr: 1e-5\n  betas: [0.9, 0.99]\n")
+    cfg = load_config(p)
+    assert cfg.precision == "bf16" and cfg.train.lr == 1e-5 and cfg.train.betas == (0.9, 0.99)
+    (tmp_path / "d.yaml").write_text(dump_config(cfg))
+    assert load_config(tmp_path / "d.yaml") == cfg
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lrr=1", "unknown config key 'train.lrr': did you mean 'train.lr'?"),
+    ("precison=fp16", "did you mean 'precision'?"),
+    ("train.steps=abc", "config key 'train.steps'"),
+    ("train.steps=0", "greater than or equal to 1"),
+    ("rollout.top_p=1.5", "config key 'rollout.top_p'"),
+    ("precision=fp8", "unknown precision 'fp8'"),
+    ("engine=sglang", "unknown engine 'sglang'"),
+    ("train=3", "must be a section"),
+    ("noequals", "is not key=value"),
+])
+def test_bad_config_is_one_line(override, message):
+    with pytest.raises(UnisonError) as e:
+        load_config(None, [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UnisonError, match="does not exist"):
+        load_config(tmp_path / "none.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(UnisonError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for p in sorted((Path(__file__).parents[1] / "configs").rglob("*.yaml")):
+        assert isinstance(load_config(p), Config), p

@@ -1,0 +1,126 @@
+"""`unison train` end to end on the built-in tiny model, checkpoints and exact resume."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from unison.cli import main
+from unison.config import load_config
+from unison.trainer import Trainer, read_metrics
+
+BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=4", "train.mini_batches=2", "train.micro_batch_size=8", "train.lr=1e-4",
+        "log.console=false", "log.tensorboard=false"]
+
+CONTRACT = [
+    "mismatch/k1", "mismatch/k2", "mismatch/k3", "mismatch/seq_kl", "mismatch/prob_diff_mean",
+    "mismatch/prob_diff_max", "mismatch/log_ppl_diff", "mismatch/log_ppl_abs_diff", "mismatch/ppl_ratio",
+    "mismatch/chi2_token", "mismatch/chi2_seq", "correction/ratio_max", "correction/ratio_min",
+    "correction/weight_mean", "correction/masked_fraction", "correction/ess", "reward/mean",
+    "response_length/mean", "response_length/max", "response/truncated_fraction", "optim/lr",
+    "optim/grad_norm", "optim/loss_scale", "optim/skipped_steps", "policy/loss", "policy/clip_fraction",
+    "policy/entropy", "time/rollout_s", "time/score_s", "time/update_s", "time/sync_s", "time/step_s",
+    "throughput/tokens_per_s",
+]
+
+
+def _run(tmp_path, name, extra, steps, resume=False):
+    cfg = load_config(None, BASE + [f"train.steps={steps}"] + extra)
+    return Trainer(cfg, tmp_path / name, resume=resume).fit(), tmp_path / name
+
+
+@pytest.mark.parametrize("precision,steps", [("fp32", 3), ("bf16", 2), ("fp16", 2)])
+def test_train_runs_per_precision_with_contract_metrics(tmp_path, precision, steps):
+    summary, run = _run(tmp_path, precision, [f"precision={precision}", "algo=grpo_token_tis",
+                                              "train.eval_every=2"], steps)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        missing = [k for k in CONTRACT if k not in r]
+        assert not missing, missing
+        assert r["optim/skipped_steps"] == 0
+    assert "eval/accuracy" in rows[1]
+    scale = rows[-1]["optim/loss_scale"]
+    assert scale == (2.0**16 if precision == "fp16" else 1.0)
+    k3 = rows[0]["mismatch/k3"]
+    assert (k3 < 1e-9) if precision == "fp32" else (k3 > 1e-7)
+    for f in ("config.yaml", "metrics.jsonl", "summary.json", "plots/training_curves.png"):
+        assert (run / f).exists(), f
+    assert (run / "checkpoints" / f"step_{steps:06d}" / "model" / "config.json").exists()
+    assert summary["steps"] == steps
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path):
+    _, full = _run(tmp_path, "full", ["checkpoint.every=2"], 4)
+    _, part = _run(tmp_path, "part", ["checkpoint.every=2"], 2)
+    _run(tmp_path, "part", ["checkpoint.every=2"], 4, resume=True)
+    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert _comparable(a) == _comparable(b)
+
+
+def test_sigkill_mid_checkpoint_leaves_previous_loadable(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from unison.config import load_config
+        from unison.trainer import Trainer
+        cfg = load_config(None, {BASE!r} + ["train.steps=3", "checkpoint.every=1"])
+        t = Trainer(cfg, {str(tmp_path / 'run')!r})
+        t.train_step(); t.save_checkpoint()
+        t.train_step()
+        torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        t.save_checkpoint()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    ck = tmp_path / "run" / "checkpoints"
+    assert (ck / "step_000001" / "trainer_state.pt").exists()
+    assert any(p.name.startswith(".tmp-") for p in ck.iterdir())  # the interrupted one
+    cfg = load_config(None, BASE + ["train.steps=3", "checkpoint.every=1"])
+    t = Trainer(cfg, tmp_path / "run", resume=True)
+    assert t.step == 1 and not any(p.name.startswith(".tmp-") for p in ck.iterdir())
+
+
+def test_train_cli_refuses_bad_input_without_touching_the_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "-", "--out", str(run)]
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text("train:\n  steps: 1\n")
+    args[1] = str(cfgfile)
+    assert main(args + ["--set", "train.lrr=1"]) == 2
+    assert "did you mean 'train.lr'" in capsys.readouterr().err and not run.exists()
+    assert main(args + ["--set", "model=/no/such/model"]) == 2
+    assert "does not exist" in capsys.readouterr().err and not run.exists()
+    assert main(args + [f"--set={s}" for s in BASE]) == 0
+    before = (run / "metrics.jsonl").read_text()
+    assert main(args + [f"--set={s}" for s in BASE] + ["--set", "seed=5"]) == 2
+    assert "different config" in capsys.readouterr().err
+    assert main(args + [f"--set={s}" for s in BASE] + ["--set", "seed=5", "--resume"]) == 2
+    assert "differs" in capsys.readouterr().err and "seed" in capsys.readouterr().err + "seed"
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_context_overflow_is_refused(tmp_path):
+    cfg = load_config(None, BASE + ["rollout.max_new_tokens=5000"])
+    from unison.errors import UnisonError
+
+    with pytest.raises(UnisonError, match="exceeds the model's context"):
+        Trainer(cfg, tmp_path / "r")
+
+
+def test_sft_writes_a_loadable_model(tmp_path):
+    assert main(["sft", "--out", str(tmp_path / "s"), "--set", "sft.steps=20", "--set", "task.digits=1",
+                 "--set", "task.train_size=40", "--set", "task.eval_size=10",
+                 "--set", "rollout.max_new_tokens=4"]) == 0
+    s = json.loads((tmp_path / "s" / "sft.json").read_text())
+    assert 0.0 <= s["eval_accuracy_sampled"] <= 1.0 and s["final_loss"] < 4.0
+    from unison.models import load_model
+
+    assert load_model(tmp_path / "s" / "model").config.model_type == "llama"

@@ -1,0 +1,1 @@
+"""The math of the objective, as registered pure functions over tensors."""

@@ -1,0 +1,289 @@
+"""The training configuration: typed (pydantic v2), loaded from YAML, overridden with ``--set``.
+
+Every field is documented where it is declared. Contract keys (DESIGN.md):
+``seed``, ``precision`` (with ``rollout_precision`` / ``learner_precision``
+overrides beside it), ``engine``, ``algo``, ``train.steps``, ``train.lr``,
+``checkpoint.every``.
+
+Unknown keys are rejected with the nearest valid name; wrong types and
+out-of-range values give one line naming the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from unison.errors import UnisonError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TaskConfig(_Section):
+    """Where prompts and rewards come from (see ``unison/tasks/``)."""
+
+    name: Literal["arithmetic", "math", "reasoning_gym"] = "arithmetic"
+    #: arithmetic: number of digits of each operand
+    digits: int = Field(2, ge=1, le=9)
+    #: arithmetic: operators to draw from
+    operators: list[Literal["+", "-", "*"]] = ["+"]
+    #: arithmetic / reasoning_gym: problems in the training split
+    train_size: int = Field(2000, ge=1)
+    #: arithmetic / reasoning_gym: problems in the held-out eval split
+    eval_size: int = Field(200, ge=0)
+    #: seed of the task generator (train/eval split included)
+    seed: int = 0
+    #: math: JSONL file with ``problem`` and ``answer`` per row
+    path: str | None = None
+    #: math: JSONL file for evaluation (default: hold out ``eval_size`` rows of ``path``)
+    eval_path: str | None = None
+    #: math: prompt template (``{problem}``); applied inside the chat template when there is one
+    template: str = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    #: reasoning_gym: dataset name, e.g. ``basic_arithmetic``, ``chain_sum``
+    dataset: str | None = None
+    #: custom reward ``module:function`` called as ``f(response, item) -> float``; replaces the task's verifier
+    reward: str | None = None
+    #: reward given to a response cut at max tokens (Paper A: 0)
+    truncated_reward: float | None = 0.0
+
+
+class RolloutConfig(_Section):
+    """How the rollout engine samples."""
+
+    #: responses per prompt (group size)
+    n: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    #: 1.0 = off. Truncation makes log μ that of the truncated distribution (biases π/μ)
+    top_p: float = Field(1.0, gt=0, le=1)
+    #: 0 = off
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(16, ge=1)
+
+
+class PolicyConfig(_Section):
+    """The objective. ``None`` fields take the value of the ``algo`` preset."""
+
+    #: advantage estimator: drgrpo (group mean, no std), grpo (group mean and std)
+    advantage: Literal["drgrpo", "grpo"] | None = None
+    #: policy loss
+    loss: Literal["ppo_clip"] | None = None
+    #: off-policy correction of the rollout mismatch: none | token_tis (min(ρ_t, C))
+    correction: Literal["none", "token_tis"] | None = None
+    #: truncation C of token_tis (Paper A: 2)
+    correction_c: float | None = Field(None, gt=0)
+    #: PPO clip ε
+    clip: float | None = Field(None, gt=0, lt=1)
+    #: loss aggregation: seq_mean_token_sum_norm (Dr.GRPO: Σ tokens / (responses × max_new_tokens)) or token_mean
+    loss_agg: Literal["seq_mean_token_sum_norm", "token_mean"] | None = None
+    #: use log μ as log π_old and skip the learner's score pass (verl bypass_mode)
+    bypass: bool = False
+
+
+class TrainConfig(_Section):
+    steps: int = Field(40, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    #: prompts sampled per step (× rollout.n responses)
+    prompts_per_step: int = Field(16, ge=1)
+    #: optimizer steps per rollout batch (Paper A: 4); the batch is split into this many mini-batches
+    mini_batches: int = Field(1, ge=1)
+    #: rows per forward/backward (gradient accumulation inside a mini-batch)
+    micro_batch_size: int = Field(32, ge=1)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    #: constant | warmup (linear warmup, then constant) | cosine (warmup, then cosine to min_lr_ratio)
+    schedule: Literal["constant", "warmup", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    #: DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage)
+    drop_uniform_groups: bool = False
+    #: with drop_uniform_groups, sample more prompts (up to this many extra rounds) to refill the batch
+    oversample_rounds: int = Field(0, ge=0)
+    #: evaluate on the held-out split every N steps (0 = never); greedy decoding
+    eval_every: int = Field(0, ge=0)
+
+
+class SFTConfig(_Section):
+    """Supervised warm start (``unison sft``): prompt -> reference answer + EOS."""
+
+    steps: int = Field(600, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(64, ge=1)
+    #: cosine-decay the LR to this fraction of ``lr`` over the steps
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class ScalerConfig(_Section):
+    """Dynamic loss scaling, active exactly when the learner computes in fp16."""
+
+    init_scale: float = Field(2.0**16, gt=0)
+    growth_interval: int = Field(400, ge=1)
+
+
+class CheckpointConfig(_Section):
+    #: save every N steps (0 = only at the end)
+    every: int = Field(0, ge=0)
+    #: checkpoints kept (older ones are deleted)
+    keep: int = Field(2, ge=1)
+
+
+class LogConfig(_Section):
+    #: write TensorBoard event files when the tensorboard package is installed
+    tensorboard: bool = True
+    #: log to wandb in offline mode when wandb is installed
+    wandb: bool = False
+    #: print a line per step
+    console: bool = True
+
+
+class Config(_Section):
+    """A training run."""
+
+    seed: int = 0
+    #: fp32 | bf16 | fp16 for both engines
+    precision: str = "fp32"
+    #: override for the rollout engine only
+    rollout_precision: str | None = None
+    #: override for the learner only
+    learner_precision: str | None = None
+    #: rollout engine: native
+    engine: str = "native"
+    #: preset name (see unison/algorithms/presets.py): grpo | grpo_token_tis
+    algo: str = "grpo"
+    #: local HF model directory, or builtin:tiny
+    model: str = "builtin:tiny"
+    device: str = "cpu"
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    policy: PolicyConfig = PolicyConfig()
+    train: TrainConfig = TrainConfig()
+    scaler: ScalerConfig = ScalerConfig()
+    sft: SFTConfig = SFTConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+    @field_validator("precision", "rollout_precision", "learner_precision")
+    @classmethod
+    def _precision(cls, v):
+        from unison.precision import parse_precision
+
+        return None if v is None else parse_precision(v)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v):
+        from unison.rollout import parse_engine
+
+        return parse_engine(v)
+
+
+# ----------------------------------------------------------------------------- loading
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, f in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _known_keys(ann, prefix + name + ".")
+    return keys
+
+
+def _check_keys(data: Any, model: type[BaseModel], prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        if key not in model.model_fields:
+            full = prefix + str(key)
+            close = difflib.get_close_matches(full, _known_keys(Config), n=1, cutoff=0.5)
+            hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md for the keys"
+            raise UnisonError(f"unknown config key '{full}': {hint}")
+        ann = model.model_fields[key].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if not isinstance(value, dict):
+                raise UnisonError(f"config key '{prefix}{key}' must be a section (mapping), "
+                                  f"got {type(value).__name__}")
+            _check_keys(value, ann, prefix + key + ".")
+
+
+def _validation_message(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    return f"config key '{loc}': {e['msg']} (got {e.get('input')!r}): fix the value"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], parsed value). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise UnisonError(f"--set '{text}' is not key=value: write e.g. --set train.lr=1e-5")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise UnisonError(f"--set '{text}' has an empty key: write e.g. --set train.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _looks_float(value):
+        value = float(value)
+    return key.split("."), value
+
+
+def _looks_float(s: str) -> bool:
+    try:
+        float(s)
+        return any(c in s.lower() for c in ".e") and not s.lower().startswith(("nan", "inf", "-inf"))
+    except ValueError:
+        return False
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from defaults), apply ``--set`` overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UnisonError(f"config file '{path}' does not exist: pass a YAML file "
+                              f"(see configs/ for examples)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UnisonError(f"config file '{path}' is not valid YAML "
+                              f"({str(e).splitlines()[0]}): fix the syntax") from e
+        if not isinstance(data, dict):
+            raise UnisonError(f"config file '{path}' must hold a mapping of keys, "
+                              f"got {type(data).__name__}")
+    _fix_yaml_floats(data)
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise UnisonError(f"--set '{text}': '{k}' is not a section")
+        node[keys[-1]] = value
+    _check_keys(data, Config)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise UnisonError(_validation_message(e)) from e
+
+
+def _fix_yaml_floats(node) -> None:
+    """YAML 1.1 reads ``1e-5`` as a string; turn such strings back into floats."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if isinstance(v, str) and _looks_float(v):
+                node[k] = float(v)
+            else:
+                _fix_yaml_floats(v)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,128 @@
+"""``unison sft``: supervised warm start on task demonstrations (prompt -> answer + EOS).
+
+A random model earns no reward; RL needs a start that is right sometimes.
+Trains the learner in fp32 with cross-entropy on the answer tokens only,
+then measures accuracy on the eval split with the rollout engine (sampled at
+the rollout temperature, and greedy) and saves an HF directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from unison.learner import token_logprobs
+from unison.models import load_model, load_tokenizer, resolve_model_dir
+from unison.rollout import SamplingParams, make_engine
+from unison.tasks import make_reward, make_task
+
+
+def _examples(task, tokenizer):
+    eos = tokenizer.eos_token_id
+    out = []
+    for item in task.train:
+        p = task.encode(tokenizer, item)
+        a = list(tokenizer(task.demonstration(item), add_special_tokens=False)["input_ids"]) + [eos]
+        out.append((p, a))
+    return out
+
+
+def _batch(examples, pad_id):
+    L = max(len(p) + len(a) for p, a in examples)
+    tokens = torch.full((len(examples), L), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(tokens)
+    target = torch.zeros(tokens.shape)
+    for i, (p, a) in enumerate(examples):
+        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
+        attn[i, :len(p) + len(a)] = 1
+        target[i, len(p):len(p) + len(a)] = 1
+    return tokens, attn, target
+
+
+def evaluate(engine, task, reward, items, tokenizer, temperature: float, max_new_tokens: int,
+             seed: int = 0) -> float:
+    """Fraction of ``items`` answered correctly (one sample each; temperature 0 = greedy)."""
+    if not items:
+        return float("nan")
+    prompts = [task.encode(tokenizer, it) for it in items]
+    comps = engine.generate(prompts, SamplingParams(n=1, temperature=temperature,
+                                                    max_tokens=max_new_tokens, seed=seed))
+    total = 0.0
+    for c in comps:
+        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        total += reward(text, items[c.prompt_index], c.finish_reason == "length")
+    return total / len(items)
+
+
+def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+    torch.manual_seed(cfg.seed)
+    model_dir = resolve_model_dir(cfg.model)
+    task = make_task(cfg.task)
+    reward = make_reward(task, cfg.task)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, torch.float32, cfg.device)
+    model.train()
+    examples = _examples(task, tokenizer)
+    rng = random.Random(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    s = cfg.sft
+    t0 = time.perf_counter()
+    for step in range(s.steps):
+        frac = step / max(s.steps - 1, 1)
+        lr = s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        tokens, attn, target = _batch(rng.sample(examples, min(s.batch_size, len(examples))),
+                                      tokenizer.pad_token_id)
+        logp = token_logprobs(model, tokens, attn, device=cfg.device)
+        loss = -(logp * target.to(logp.device)).sum() / target.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == s.steps - 1:
+            log(f"[sft] step {step + 1}/{s.steps} loss {loss.item():.4f} lr {lr:.2e} "
+                f"({time.perf_counter() - t0:.0f}s)")
+    model.eval()
+    engine = make_engine(cfg.engine, model_dir, torch.float32, device=cfg.device)
+    engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
+    mnt = cfg.rollout.max_new_tokens
+    acc_t = evaluate(engine, task, reward, task.eval, tokenizer, cfg.rollout.temperature, mnt, cfg.seed)
+    acc_g = evaluate(engine, task, reward, task.eval, tokenizer, 0.0, mnt)
+    acc_train = evaluate(engine, task, reward, task.train[:len(task.eval) or 200], tokenizer,
+                         cfg.rollout.temperature, mnt, cfg.seed)
+    summary = {"final_loss": float(loss.item()), "eval_accuracy_sampled": acc_t,
+               "eval_accuracy_greedy": acc_g, "train_accuracy_sampled": acc_train,
+               "temperature": cfg.rollout.temperature, "steps": s.steps,
+               "wall_s": time.perf_counter() - t0}
+    save_model_dir(model, tokenizer, out_dir / "model")
+    (out_dir / "sft.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def save_model_dir(model, tokenizer, final: Path) -> Path:
+    """``save_pretrained`` into a temporary sibling, then rename over ``final``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if final.exists():
+            old = final.with_name(f".{final.name}-old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

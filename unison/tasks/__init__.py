@@ -1,0 +1,108 @@
+"""Tasks: prompts with reference answers, and a verifier that turns a response into a reward.
+
+``make_task(cfg)`` builds one from a :class:`unison.config.TaskConfig`.
+Rewards go through :class:`RewardFn`, which scores truncated responses with
+``truncated_reward`` and counts (never raises) verifier errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from unison.errors import UnisonError
+
+
+@dataclass
+class Item:
+    prompt: str
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+
+class Task:
+    """A task has a train split, an eval split and a verifier ``score(response, item)``."""
+
+    name = "task"
+    train: list[Item]
+    eval: list[Item]
+
+    def score(self, response: str, item: Item) -> float:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def encode(self, tokenizer, item: Item) -> list[int]:
+        """Prompt token ids: through the chat template when the tokenizer has one."""
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}],
+                                                add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(tokenizer(item.prompt)["input_ids"])
+
+    def demonstration(self, item: Item) -> str:
+        """The target text for supervised warm start."""
+        return item.answer
+
+
+class RewardFn:
+    """Wraps a verifier: truncated responses get ``truncated_reward``; a raising verifier scores 0."""
+
+    def __init__(self, task: Task, custom: Callable | None = None, truncated_reward: float | None = 0.0):
+        self.task = task
+        self.fn = custom or task.score
+        self.truncated_reward = truncated_reward
+        self.errors = 0
+
+    def __call__(self, response: str, item: Item, truncated: bool) -> float:
+        if truncated and self.truncated_reward is not None:
+            return float(self.truncated_reward)
+        try:
+            return float(self.fn(response, item))
+        except Exception:  # noqa: BLE001 - a reward bug must never kill the run
+            self.errors += 1
+            return 0.0
+
+
+def load_callable(spec: str) -> Callable:
+    """``module:function`` -> the function (UnisonError naming what is missing)."""
+    if ":" not in spec:
+        raise UnisonError(f"reward '{spec}' is not module:function: write e.g. my_rewards:exact_match")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UnisonError(f"cannot import reward module '{mod_name}' ({e}): put it on PYTHONPATH") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise UnisonError(f"reward '{spec}': module '{mod_name}' has no function '{fn_name}'")
+    return fn
+
+
+def make_task(cfg) -> Task:
+    if cfg.name == "arithmetic":
+        from unison.tasks.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(digits=cfg.digits, operators=cfg.operators, train_size=cfg.train_size,
+                              eval_size=cfg.eval_size, seed=cfg.seed)
+    if cfg.name == "math":
+        from unison.tasks.math import MathTask
+
+        if not cfg.path:
+            raise UnisonError("task.name is 'math' but task.path is not set: "
+                              "point it at a JSONL file of {problem, answer} rows")
+        return MathTask(cfg.path, eval_path=cfg.eval_path, eval_size=cfg.eval_size,
+                        template=cfg.template, seed=cfg.seed)
+    if cfg.name == "reasoning_gym":
+        from unison.tasks.gym import ReasoningGymTask
+
+        if not cfg.dataset:
+            raise UnisonError("task.name is 'reasoning_gym' but task.dataset is not set: "
+                              "name a reasoning-gym dataset, e.g. basic_arithmetic")
+        return ReasoningGymTask(cfg.dataset, train_size=cfg.train_size, eval_size=cfg.eval_size,
+                                seed=cfg.seed)
+    raise UnisonError(f"unknown task '{cfg.name}': choose arithmetic, math or reasoning_gym")
+
+
+def make_reward(task: Task, cfg) -> RewardFn:
+    custom = load_callable(cfg.reward) if cfg.reward else None
+    return RewardFn(task, custom=custom, truncated_reward=cfg.truncated_reward)
