@@ -112,6 +112,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.tb = self._open_tensorboard()
+        self.wandb = self._open_wandb()
         if resume:
             self._resume()
 
@@ -160,6 +161,16 @@ class Trainer:
         except ImportError:
             return None
         return SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _open_wandb(self):
+        if not self.cfg.log.wandb:
+            return None
+        try:
+            import wandb
+        except ImportError as e:
+            raise UnisonError("log.wandb is true but wandb is not installed: pip install wandb, "
+                              "or set log.wandb=false") from e
+        return wandb.init(mode="offline", dir=str(self.run_dir), config=self.cfg.model_dump(mode="json"))
 
     # --------------------------------------------------------------- the step
     def rollout(self, step: int):
@@ -352,6 +363,8 @@ class Trainer:
             self.log(f"[train] plots skipped: {e}")
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         return summary
 
     def evaluate(self) -> float:
@@ -378,6 +391,8 @@ class Trainer:
             for k, v in metrics.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, metrics["step"])
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in clean.items() if k != "step"}, step=metrics["step"])
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
