@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Built-in models are cached here for the test session (and reused between runs).
 os.environ.setdefault("UNISON_HOME", str(ROOT / ".unison-test-home"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-SHARED = ROOT.parent / "shared"
+SHARED = Path(os.environ.get("UNISON_SHARED", ROOT.parent / "shared"))
 
 
 @pytest.fixture(scope="session")

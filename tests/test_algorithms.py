@@ -1,14 +1,17 @@
-"""Advantages, corrections and losses against numbers computed by hand."""
+"""Advantages, corrections and losses against numbers computed by hand, on-policy
+identities, and property tests over random inputs."""
 
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from unison.algorithms.advantages import drgrpo, grpo, uniform_groups
-from unison.algorithms.corrections import none, token_tis
-from unison.algorithms.losses import aggregate, ppo_clip
-from unison.algorithms.presets import resolve_policy
+from unison.algorithms.advantages import ADVANTAGES, batch_norm, drgrpo, grpo, rloo, uniform_groups
+from unison.algorithms.corrections import CORRECTIONS
+from unison.algorithms.losses import LOSSES, aggregate
+from unison.algorithms.presets import PRESETS, correction_kwargs, loss_kwargs, resolve_policy
 from unison.config import PolicyConfig
 from unison.errors import UnisonError
 
@@ -16,6 +19,7 @@ R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
 G = torch.tensor([0, 0, 0, 1, 1, 2])
 
 
+# ------------------------------------------------------------------ advantages
 def test_drgrpo_subtracts_the_group_mean_only():
     assert drgrpo(R, G).tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
 
@@ -28,29 +32,76 @@ def test_grpo_divides_by_the_unbiased_group_std():
     assert uniform_groups(R, G).tolist() == [False, False, False, True, True, True]
 
 
-def test_token_tis_truncates_at_c_and_reports_raw_ratios():
-    lo = torch.tensor([[0.0, math.log(3.0), math.log(0.5), 0.0]])
-    lm = torch.zeros(1, 4)
-    mask = torch.tensor([[0, 1, 1, 0]])
-    w, m = token_tis(lo, lm, mask, c=2.0)
-    assert w.tolist()[0] == pytest.approx([0, 2.0, 0.5, 0])
-    assert m["correction/ratio_max"] == pytest.approx(3.0)
-    assert m["correction/ratio_min"] == pytest.approx(0.5)
-    assert m["correction/weight_mean"] == pytest.approx(1.25)
+def test_rloo_uses_the_leave_one_out_mean():
+    assert rloo(R, G).tolist() == pytest.approx([1.0, -0.5, -0.5, 0.0, 0.0, 0.0])
+
+
+def test_batch_norm_normalises_over_the_batch():
+    std = math.sqrt((4 * (1 / 3) ** 2 + 2 * (2 / 3) ** 2) / 5)
+    a = batch_norm(R, G)
+    assert a.tolist() == pytest.approx([(1 / 3) / std, -(2 / 3) / std, -(2 / 3) / std] + [(1 / 3) / std] * 3,
+                                       rel=1e-5)
+
+
+# ----------------------------------------------------------------- corrections
+# four responses; position 0 is prompt, row 1 has one padding position.
+RHO = [[3.0, 0.5], [1.2, None], [20.0, 1e-5], [2.0, 0.5]]
+MASK = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 1]], dtype=torch.float32)
+LMU = torch.full((4, 3), -1.0)
+LOLD = LMU.clone()
+for i, row in enumerate(RHO):
+    for j, r in enumerate(row):
+        if r is not None:
+            LOLD[i, j + 1] = -1.0 + math.log(r)
+LOLD[1, 2] = 55.0  # junk on padding
+
+
+def _w(name, **kw):
+    w, m = CORRECTIONS[name](LOLD, LMU, MASK, **kw)
+    return [[round(x, 6) for x in row[1:]] for row in w.tolist()], m
+
+
+def test_token_tis_by_hand():
+    w, m = _w("token_tis", c=2.0)
+    assert w == [[2.0, 0.5], [1.2, 0.0], [2.0, 1e-5], [2.0, 0.5]]
+    assert m["correction/ratio_max"] == pytest.approx(20.0, rel=1e-5)  # raw, before truncation
+    assert m["correction/ratio_min"] == pytest.approx(1e-5, rel=1e-3)
+    assert m["correction/weight_mean"] == pytest.approx((2 + .5 + 1.2 + 2 + 1e-5 + 2 + .5) / 7, rel=1e-5)
     assert m["correction/masked_fraction"] == 0.0
-    assert m["correction/ess"] == pytest.approx(1.25**2 / ((4 + 0.25) / 2))
-    w0, m0 = none(lo, lm, mask)
-    assert w0.tolist()[0] == [0, 1, 1, 0] and m0["correction/ratio_max"] == pytest.approx(3.0)
+    ws = torch.tensor([2, .5, 1.2, 2, 1e-5, 2, .5])
+    assert m["correction/ess"] == pytest.approx(float(ws.mean() ** 2 / (ws * ws).mean()), rel=1e-5)
 
 
+def test_token_mis_by_hand():
+    w, m = _w("token_mis", c=2.0, c_low=0.5)
+    assert w == [[0.0, 0.5], [1.2, 0.0], [0.0, 0.0], [2.0, 0.5]]
+    assert m["correction/masked_fraction"] == pytest.approx(3 / 7)
+
+
+def test_sequence_corrections_by_hand():
+    w, _ = _w("seq_tis", c=2.0)
+    assert w == [[1.5, 1.5], [1.2, 0.0], [0.0002, 0.0002], [1.0, 1.0]]
+    w, m = _w("seq_mis", c=1.3)  # row 0 has ρ = 1.5 > 1.3: dropped
+    assert w == [[0.0, 0.0], [1.2, 0.0], [0.0002, 0.0002], [1.0, 1.0]]
+    assert m["correction/seq_masked_fraction"] == pytest.approx(0.25)
+    assert m["correction/masked_fraction"] == pytest.approx(2 / 7)
+    w, _ = _w("seq_mis")  # paper default C = 10: nothing dropped
+    assert w[0] == [1.5, 1.5]
+    w, m = _w("geo_rs", c=1.01, c_low=0.99)  # geometric means √1.5, 1.2, √2e-4, 1
+    assert w == [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+    assert m["correction/seq_masked_fraction"] == pytest.approx(0.75)
+    w, _ = _w("veto", threshold=1e-4)
+    assert w == [[1.0, 1.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+
+
+# ---------------------------------------------------------------------- losses
 def test_ppo_clip_by_hand_with_gradient():
-    # one response, two tokens; A = +1. Token 1: ratio e^{0.5} > 1.2 -> clipped (no grad);
-    # token 2: ratio e^{-0.1} inside the band -> gradient −A·w·ratio.
+    # A = +1. Token 1: ratio e^{0.5} > 1.2 -> clipped (no grad); token 2: e^{-0.1} inside the band.
     logp = torch.tensor([[0.0, -0.5, -1.1]], requires_grad=True)
     old = torch.tensor([[0.0, -1.0, -1.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0]])
     w = torch.tensor([[0.0, 1.0, 2.0]])
-    per_tok, m = ppo_clip(logp, old, torch.tensor([1.0]), w, mask, clip=0.2)
+    per_tok, m = LOSSES["ppo_clip"](logp, old, old, torch.tensor([1.0]), w, mask, clip=0.2)
     assert per_tok[0, 1].item() == pytest.approx(-1.2)
     assert per_tok[0, 2].item() == pytest.approx(-2.0 * math.exp(-0.1), rel=1e-6)
     assert m["policy/clip_fraction"] == pytest.approx(0.5)
@@ -58,27 +109,166 @@ def test_ppo_clip_by_hand_with_gradient():
     assert logp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -2.0 * math.exp(-0.1)], rel=1e-6)
 
 
-def test_ppo_clip_on_policy_gradient_equals_policy_gradient():
-    torch.manual_seed(0)
-    logp = (-torch.rand(3, 5)).requires_grad_()
-    mask = (torch.rand(3, 5) > 0.3).float()
-    adv = torch.tensor([1.0, -0.5, 2.0])
-    per_tok, _ = ppo_clip(logp, logp.detach(), adv, mask, mask, clip=0.2)
+def test_gspo_by_hand_value_and_gradient():
+    old = torch.tensor([[0.0, -1.0, -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    w = mask.clone()
+    s = math.exp(0.1)  # mean(0.3, -0.1)
+    # A = +1: s > 1 + 4e-4 -> clipped: value −(1 + 4e-4) per token, no gradient
+    logp = (old + torch.tensor([[0.0, 0.3, -0.1]])).requires_grad_()
+    per_tok, m = LOSSES["gspo"](logp, old, old, torch.tensor([1.0]), w, mask, clip=3e-4, clip_high=4e-4)
+    loss = aggregate(per_tok, "seq_mean_token_mean", mask, 2, 1, 8)
+    assert loss.item() == pytest.approx(-(1 + 4e-4), rel=1e-6) and m["policy/clip_fraction"] == 1.0
+    loss.backward()
+    assert logp.grad.abs().sum().item() == 0.0
+    # A = −1: the unclipped branch is the min: value +s, d/dlogp_t = s / T (T = 2)
+    logp = (old + torch.tensor([[0.0, 0.3, -0.1]])).requires_grad_()
+    per_tok, _ = LOSSES["gspo"](logp, old, old, torch.tensor([-1.0]), w, mask, clip=3e-4, clip_high=4e-4)
+    loss = aggregate(per_tok, "seq_mean_token_mean", mask, 2, 1, 8)
+    assert loss.item() == pytest.approx(s, rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, s / 2, s / 2], rel=1e-6)
+
+
+def test_pg_seq_is_stop_gradient_on_the_sequence_weight():
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    mu = torch.tensor([[0.0, -1.5, -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    w = math.exp(0.5)  # π_θ(y)/μ(y)
+    per_tok, _ = LOSSES["pg_seq_is"](logp, logp.detach(), mu, torch.tensor([2.0]), mask, mask)
+    assert per_tok.tolist()[0] == pytest.approx([0.0, 2 * w * 1.0, 2 * w * 2.0], rel=1e-6)
     per_tok.sum().backward()
-    assert torch.allclose(logp.grad, -adv[:, None] * mask)
+    # sg[w]: the gradient is −w·A on each token, no d(w)/dθ term
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -2 * w, -2 * w], rel=1e-6)
 
 
-def test_aggregations():
+def test_pg_seq_mis_masks_heavy_responses_to_exactly_zero():
+    logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -1.0, -2.0]], requires_grad=True)
+    mu = torch.tensor([[0.0, -1.5, -2.0], [0.0, -1.0, -2.1]])  # weights e^0.5 = 1.65 and e^0.1
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    per_tok, m = LOSSES["pg_seq_mis"](logp, logp.detach(), mu, torch.tensor([1.0, 1.0]), mask, mask, loss_c=1.5)
+    per_tok.sum().backward()
+    assert logp.grad[0].abs().sum().item() == 0.0 and per_tok[0].abs().sum().item() == 0.0
+    assert logp.grad[1, 1:].tolist() == pytest.approx([-math.exp(0.1)] * 2, rel=1e-6)
+    assert m["policy/clip_fraction"] == pytest.approx(0.5)
+
+
+def test_pg_token_is_by_hand():
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    mu = torch.tensor([[0.0, -1.5, -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    per_tok, _ = LOSSES["pg_token_is"](logp, logp.detach(), mu, torch.tensor([1.0]), mask, mask)
+    per_tok.sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -math.exp(0.5), -1.0], rel=1e-6)
+
+
+def test_aggregations_by_hand():
     per_tok = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
-    assert aggregate(per_tok, "token_mean", num_tokens=3, num_seqs=2, max_len=8).item() == pytest.approx(2.0)
-    assert aggregate(per_tok, "seq_mean_token_sum_norm", 3, 2, 8).item() == pytest.approx(6 / 16)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate(per_tok, "token_mean", mask, 3, 2, 8).item() == pytest.approx(2.0)
+    assert aggregate(per_tok, "seq_mean_token_sum", mask, 3, 2, 8).item() == pytest.approx(3.0)
+    assert aggregate(per_tok, "seq_mean_token_mean", mask, 3, 2, 8).item() == pytest.approx((1.5 + 3) / 2)
+    assert aggregate(per_tok, "seq_mean_token_sum_norm", mask, 3, 2, 8).item() == pytest.approx(6 / 16)
 
 
+# ------------------------------------------------------------ on-policy identities
+def _random(seed, B=3, L=6):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, L, generator=g) * 3
+    mask = (torch.rand(B, L, generator=g) > 0.3).float()
+    mask[:, 0] = 0
+    mask[:, 1] = 1
+    return logp, mask, torch.randn(B, generator=g)
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+def test_on_policy_every_correction_weight_is_one(name):
+    logp, mask, _ = _random(0)
+    w, m = CORRECTIONS[name](logp, logp.clone(), mask)
+    assert torch.equal(w, mask) and m["correction/masked_fraction"] == 0.0 and m["correction/ess"] == 1.0
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "pg_seq_is", "pg_seq_mis", "pg_token_is"])
+def test_on_policy_gradients_equal_reinforce(loss):
+    base, mask, adv = _random(1)
+    logp = base.clone().requires_grad_()
+    per_tok, _ = LOSSES[loss](logp, base, base, adv, mask, mask, clip=0.2)
+    per_tok.sum().backward()
+    assert torch.allclose(logp.grad, -adv[:, None] * mask, atol=1e-6)
+    if loss == "pg_seq_is":  # the value is REINFORCE's too
+        assert torch.allclose(per_tok, -adv[:, None] * base * mask, atol=1e-6)
+
+
+def test_on_policy_gspo_gradient_is_the_per_sequence_mean_pg():
+    base, mask, adv = _random(2)
+    logp = base.clone().requires_grad_()
+    per_tok, _ = LOSSES["gspo"](logp, base, base, adv, mask, mask, clip=3e-4, clip_high=4e-4)
+    aggregate(per_tok, "seq_mean_token_mean", mask, int(mask.sum()), 3, 6).backward()
+    expected = -adv[:, None] * mask / mask.sum(-1, keepdim=True) / 3
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+
+
+# ------------------------------------------------------------------ properties
+COMBOS = [(p["loss"], p["correction"], p["loss_agg"])
+          for p in (resolve_policy(a, PolicyConfig()) for a in PRESETS)]
+COMBOS += [("ppo_clip", c, "token_mean") for c in CORRECTIONS] + [("gspo", "seq_mis", "seq_mean_token_mean"),
+                                                                  ("gspo", "veto", "seq_mean_token_sum")]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 64), st.integers(0, 2**31 - 1), st.sampled_from(COMBOS))
+def test_losses_are_finite_padding_free_and_masked_rows_get_no_gradient(B, L, seed, combo):
+    loss_name, corr, agg = combo
+    g = torch.Generator().manual_seed(seed)
+    L += 1
+    mask = (torch.rand(B, L, generator=g) > 0.3).float()
+    mask[:, 0] = 0
+    mask[0] = 0  # row 0 fully masked
+    mu = -torch.rand(B, L, generator=g) * 5
+    old = mu + (torch.rand(B, L, generator=g) - 0.5) * 100  # log-ratios in ±50
+    cur = old + (torch.rand(B, L, generator=g) - 0.5) * 100
+    adv = torch.randn(B, generator=g)
+
+    def run(c, o, m_):
+        logp = c.clone().requires_grad_()
+        w, _ = CORRECTIONS[corr](o, m_, mask)
+        per_tok, _ = LOSSES[loss_name](logp, o, m_, adv, w, mask, clip=0.2, loss_c=3.0)
+        loss = aggregate(per_tok, agg, mask, int(mask.sum()), B, L)
+        loss.backward()
+        return loss, logp.grad, w
+
+    loss, grad, w = run(cur, old, mu)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    junk = torch.where(mask.bool(), 0.0, torch.randn(B, L, generator=g) * 50)
+    loss2, grad2, _ = run(cur + junk, old - junk, mu + junk)
+    assert torch.allclose(loss, loss2, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(grad, grad2, rtol=1e-5, atol=1e-6)
+    assert grad[0].abs().sum() == 0  # masked response
+    dropped = (w * mask).sum(-1) == 0
+    assert grad[dropped].abs().sum() == 0  # responses a correction dropped
+
+
+# -------------------------------------------------------------------- presets
 def test_presets_and_overrides():
     p = resolve_policy("grpo", PolicyConfig())
     assert (p["advantage"], p["correction"], p["clip"], p["loss_agg"]) == (
         "drgrpo", "none", 0.2, "seq_mean_token_sum_norm")
     p = resolve_policy("grpo_token_tis", PolicyConfig(clip=0.1))
-    assert p["correction"] == "token_tis" and p["correction_c"] == 2.0 and p["clip"] == 0.1
+    assert p["correction"] == "token_tis" and correction_kwargs(p) == {"c": 2.0} and p["clip"] == 0.1
+    assert correction_kwargs(resolve_policy("grpo_seq_mis", PolicyConfig())) == {"c": 10.0}
+    g = resolve_policy("gspo", PolicyConfig())
+    assert (g["advantage"], loss_kwargs(g), g["loss_agg"]) == (
+        "grpo", {"clip": 3e-4, "clip_high": 4e-4}, "seq_mean_token_mean")
+    assert loss_kwargs(resolve_policy("pg_seq_mis", PolicyConfig())) == {"loss_c": 3.0}
+    assert set(PRESETS) == {"grpo", "grpo_token_tis", "grpo_seq_mis", "gspo", "pg_seq_is", "pg_seq_mis",
+                            "pg_token_is"}
+    assert set(ADVANTAGES) == {"grpo", "drgrpo", "rloo", "batch_norm"}
     with pytest.raises(UnisonError, match="unknown algo"):
         resolve_policy("ppo2", PolicyConfig())
+
+
+def test_nonsense_combinations_are_refused():
+    with pytest.raises(UnisonError, match="already weights by"):
+        resolve_policy("pg_seq_is", PolicyConfig(correction="token_tis"))
+    with pytest.raises(UnisonError, match="does not compose"):
+        resolve_policy("gspo", PolicyConfig(correction="token_mis"))

@@ -1,6 +1,7 @@
 """`unison train` end to end on the built-in tiny model, checkpoints and exact resume."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -125,3 +126,43 @@ def test_sft_writes_a_loadable_model(tmp_path):
     from unison.models import load_model
 
     assert load_model(tmp_path / "s" / "model").config.model_type == "llama"
+
+
+def test_dapo_drops_uniform_groups_and_counts_them(tmp_path):
+    # the untrained model never answers right: every group is all-zero and dropped,
+    # and oversampling tries one more round of 4 prompts
+    cfg = load_config(None, BASE + ["train.steps=1", "train.drop_uniform_groups=true",
+                                    "train.oversample_rounds=1"])
+    t = Trainer(cfg, tmp_path / "r")
+    comps, rewards, dropped = t.rollout(0)
+    assert (comps, rewards, dropped) == ([], [], 8)
+    assert t.sampler.pos == 8
+    m = t.train_step()  # a step with nothing left makes no update and says so
+    assert m["data/dropped_groups"] == 8 and t.step == 1
+
+
+def test_tensorboard_event_files_are_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    cfg = load_config(None, BASE + ["train.steps=1", "log.tensorboard=true"])
+    Trainer(cfg, tmp_path / "r").fit()
+    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("algo", ["grpo_seq_mis", "gspo", "pg_seq_is", "pg_seq_mis", "pg_token_is"])
+def test_every_preset_trains_three_steps(tmp_path, algo):
+    # grpo and grpo_token_tis run in the per-precision test above
+    summary, run = _run(tmp_path, algo, [f"algo={algo}", "precision=fp32"], 3)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert len(rows) == 3 and summary["steps"] == 3
+    for r in rows:
+        assert not [k for k in CONTRACT if k not in r]
+        assert all(v is None or isinstance(v, (int, float)) for v in r.values())
+        assert r["optim/skipped_steps"] == 0 and math.isfinite(r["policy/loss"])
+
+
+def test_bypass_mode_skips_the_score_pass_and_still_measures(tmp_path):
+    _, run = _run(tmp_path, "bypass", ["policy.bypass=true", "precision=bf16"], 1)
+    r = read_metrics(run / "metrics.jsonl")[0]
+    assert r["time/score_s"] < 1e-3
+    assert r["mismatch/k3"] > 1e-7  # from the first mini-batch's forward
+    assert r["correction/ratio_max"] == 1.0  # π_old := μ, so every ρ_t is exactly 1

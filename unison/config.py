@@ -67,20 +67,30 @@ class RolloutConfig(_Section):
 
 
 class PolicyConfig(_Section):
-    """The objective. ``None`` fields take the value of the ``algo`` preset."""
+    """The objective. ``None`` fields take the value of the ``algo`` preset
+    (unison/algorithms/presets.py; formulas in docs/algorithms.md)."""
 
-    #: advantage estimator: drgrpo (group mean, no std), grpo (group mean and std)
-    advantage: Literal["drgrpo", "grpo"] | None = None
-    #: policy loss
-    loss: Literal["ppo_clip"] | None = None
-    #: off-policy correction of the rollout mismatch: none | token_tis (min(ρ_t, C))
-    correction: Literal["none", "token_tis"] | None = None
-    #: truncation C of token_tis (Paper A: 2)
+    #: advantage estimator: drgrpo (R − group mean), grpo (÷ group std), rloo (leave-one-out), batch_norm
+    advantage: Literal["drgrpo", "grpo", "rloo", "batch_norm"] | None = None
+    #: policy loss: ppo_clip, gspo, pg_seq_is, pg_seq_mis, pg_token_is
+    loss: Literal["ppo_clip", "gspo", "pg_seq_is", "pg_seq_mis", "pg_token_is"] | None = None
+    #: mismatch correction: none, token_tis, token_mis, seq_tis, seq_mis, geo_rs, veto
+    correction: Literal["none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_rs", "veto"] | None = None
+    #: upper threshold C of the correction (token_tis 2, token_mis 2, seq_tis 2, seq_mis 10, geo_rs 1.01)
     correction_c: float | None = Field(None, gt=0)
-    #: PPO clip ε
+    #: lower threshold of token_mis (0.5) and geo_rs (0.99)
+    correction_c_low: float | None = Field(None, ge=0)
+    #: veto: drop a response with any token ratio below this (1e-4)
+    veto_threshold: float | None = Field(None, gt=0)
+    #: PPO ε (ppo_clip 0.2); gspo: lower band 3e-4
     clip: float | None = Field(None, gt=0, lt=1)
-    #: loss aggregation: seq_mean_token_sum_norm (Dr.GRPO: Σ tokens / (responses × max_new_tokens)) or token_mean
-    loss_agg: Literal["seq_mean_token_sum_norm", "token_mean"] | None = None
+    #: upper clip ε when asymmetric (gspo 4e-4; None = same as clip)
+    clip_high: float | None = Field(None, gt=0)
+    #: pg_seq_mis: mask responses whose π(y)/μ(y) exceeds this (3)
+    loss_c: float | None = Field(None, gt=0)
+    #: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm (Dr.GRPO)
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                      "seq_mean_token_sum_norm"] | None = None
     #: use log μ as log π_old and skip the learner's score pass (verl bypass_mode)
     bypass: bool = False
 
@@ -155,7 +165,8 @@ class Config(_Section):
     learner_precision: str | None = None
     #: rollout engine: native
     engine: str = "native"
-    #: preset name (see unison/algorithms/presets.py): grpo | grpo_token_tis
+    #: preset (unison/algorithms/presets.py): grpo, grpo_token_tis, grpo_seq_mis, gspo,
+    #: pg_seq_is, pg_seq_mis, pg_token_is
     algo: str = "grpo"
     #: local HF model directory, or builtin:tiny
     model: str = "builtin:tiny"

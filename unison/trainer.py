@@ -28,7 +28,7 @@ import torch
 from unison.algorithms.advantages import ADVANTAGES, uniform_groups
 from unison.algorithms.corrections import CORRECTIONS
 from unison.algorithms.losses import LOSSES, aggregate
-from unison.algorithms.presets import resolve_policy
+from unison.algorithms.presets import correction_kwargs, loss_kwargs, resolve_policy
 from unison.batch import collate
 from unison.config import Config, dump_config
 from unison.errors import UnisonError
@@ -230,8 +230,10 @@ class Trainer:
         batch.logp_old = batch.logp_mu.clone() if pol["bypass"] else self.learner.score(batch)
         t_score = time.perf_counter() - t0
 
+        t0 = time.perf_counter()
         weights, cmetrics = CORRECTIONS[pol["correction"]](batch.logp_old, batch.logp_mu, mask,
-                                                           c=pol["correction_c"])
+                                                           **correction_kwargs(pol))
+        t_tele = time.perf_counter() - t0
         lr = self.schedule.lr(step)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -242,11 +244,13 @@ class Trainer:
 
         # mismatch of the learner vs the rollout engine on the sampled tokens; in bypass
         # mode there is no score pass, so use the first mini-batch's forward (θ = θ_old there)
+        t0 = time.perf_counter()
         if pol["bypass"]:
             rows = logp_first["rows"]
             mm = mismatch_metrics(logp_first["logp"], batch.logp_mu[rows], mask[rows])
         else:
             mm = mismatch_metrics(batch.logp_old, batch.logp_mu, mask)
+        t_tele += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         self.engine.load_weights(self.learner.named_weights())
@@ -266,7 +270,7 @@ class Trainer:
             "optim/loss_scale": float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0,
             "optim/skipped_steps": self.skipped_steps,
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
-            "time/sync_s": t_sync, "time/step_s": step_s,
+            "time/sync_s": t_sync, "time/step_s": step_s, "time/telemetry_s": t_tele,
             "throughput/tokens_per_s": n_tokens / max(step_s, 1e-9),
         })
         metrics.update(self.schedule.observe(step, metrics))
@@ -278,12 +282,12 @@ class Trainer:
         cfg, pol, t = self.cfg, self.policy, self.cfg.train
         model = self.learner.model
         model.train()
-        loss_fn = LOSSES[pol["loss"]]
+        loss_fn, loss_kw = LOSSES[pol["loss"]], loss_kwargs(pol)
         g = torch.Generator().manual_seed(_step_seed(cfg.seed, self.step) + 1)
         order = torch.randperm(batch.size, generator=g)
         chunks = [c for c in order.chunk(min(t.mini_batches, batch.size))]
-        sums = {"policy/loss": 0.0, "policy/clip_fraction": 0.0, "policy/ppo_kl": 0.0,
-                "policy/entropy": 0.0, "optim/grad_norm": 0.0}
+        sums = {"policy/loss": 0.0, "policy/clip_fraction": 0.0, "policy/entropy": 0.0,
+                "optim/grad_norm": 0.0}
         first = {"rows": chunks[0], "logp": torch.zeros((len(chunks[0]), batch.tokens.shape[1]))}
         n_opt = 0
         for mb_i, mb in enumerate(chunks):
@@ -298,14 +302,18 @@ class Trainer:
                                            cfg.rollout.temperature, self.prec.learner_dtype, cfg.device,
                                            return_entropy=True)
                 per_tok, lm = loss_fn(logp, batch.logp_old[rows].to(cfg.device),
+                                      batch.logp_mu[rows].to(cfg.device),
                                       batch.advantages[rows].to(cfg.device),
-                                      weights[rows].to(cfg.device), m, clip=pol["clip"])
-                loss = aggregate(per_tok, pol["loss_agg"], n_tok, n_seq, cfg.rollout.max_new_tokens)
+                                      weights[rows].to(cfg.device), m, **loss_kw)
+                loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, cfg.rollout.max_new_tokens)
                 self.scaler.scale(loss).backward()
                 loss_total += float(loss.detach())
                 frac = float(m.sum()) / max(n_tok, 1)
-                for k in ("policy/clip_fraction", "policy/ppo_kl"):
-                    sums[k] += lm[k] * frac / len(chunks)
+                for k, v in lm.items():  # *_max: max; others: token-weighted mean
+                    if k.endswith("_max"):
+                        sums[k] = max(sums.get(k, v), v)
+                    else:
+                        sums[k] = sums.get(k, 0.0) + v * frac / len(chunks)
                 ent_sum += float((ent * m).sum())
                 if mb_i == 0:
                     first["logp"][start:start + len(rows)] = logp.detach().float().cpu()

@@ -1,9 +1,12 @@
 """Off-policy corrections for the rollout mismatch, computed in log space.
 
-``ρ_t = π_old(y_t) / μ(y_t)`` with ``log ρ_t`` clamped to ±20 before
-exponentiating. Each correction maps ``(logp_old, logp_mu, mask)`` to
-per-token weights ``[B, L]`` (0 off the mask) that multiply the policy-loss
-term, plus metrics. Registered by name in ``CORRECTIONS``.
+``ρ_t = π_old(y_t) / μ(y_t)`` per token, ``ρ = Π_t ρ_t`` per response; log-ratios
+are clamped to ±20 before exponentiating (as verl does), so one catastrophic
+token cannot overflow the batch. Each correction maps ``(logp_old, logp_mu,
+mask)`` to per-token weights ``[B, L]`` (0 off the mask; 0 on a masked-out
+token or response) that multiply the policy-loss term, plus metrics.
+Registered by name in ``CORRECTIONS``. Sources: Paper A (fp16.md) and the
+correction family in corrections-and-peers.md.
 """
 
 from __future__ import annotations
@@ -14,13 +17,20 @@ LOG_CLAMP = 20.0
 
 
 def log_rho(logp_old: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask.bool(), (logp_old - logp_mu).clamp(-LOG_CLAMP, LOG_CLAMP), 0.0)
+    """log ρ_t = log π_old − log μ on the mask (clamped to ±20), 0 elsewhere."""
+    return torch.where(mask.bool(), (logp_old.float() - logp_mu.float()).clamp(-LOG_CLAMP, LOG_CLAMP), 0.0)
+
+
+def seq_log_rho(logp_old, logp_mu, mask) -> torch.Tensor:
+    """log ρ = Σ_t log ρ_t per response, clamped to ±20. Shape [B]."""
+    return log_rho(logp_old, logp_mu, mask).sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP)
 
 
 def correction_metrics(rho: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Raw ratio range (before truncation), mean weight, masked fraction, ESS.
+    """Raw token ratio range (before truncation), mean weight, masked fraction, ESS.
 
-    ESS = (mean w)² / mean(w²) over response tokens (1 = all weights equal).
+    ``masked_fraction`` = response tokens whose weight is 0; ESS = (mean w)² / mean(w²)
+    over response tokens (1 = all weights equal; verl's rollout_is_eff_sample_size).
     """
     sel = mask.bool()
     if not bool(sel.any()):
@@ -37,19 +47,78 @@ def correction_metrics(rho: torch.Tensor, weights: torch.Tensor, mask: torch.Ten
     }
 
 
-def none(logp_old, logp_mu, mask, **_) -> tuple[torch.Tensor, dict]:
-    """No correction: weight 1 on every response token."""
+def _finish(weights, logp_old, logp_mu, m, extra=None):
+    rho = log_rho(logp_old, logp_mu, m).exp()
+    out = correction_metrics(rho, weights, m)
+    if extra:
+        out.update(extra)
+    return weights, out
+
+
+def none(logp_old, logp_mu, mask, **_):
+    """No correction: w_t = 1 on every response token."""
+    m = mask.float()
+    return _finish(m.clone(), logp_old, logp_mu, m)
+
+
+def token_tis(logp_old, logp_mu, mask, c: float = 2.0, **_):
+    """Token truncated IS (Paper A "GRPO + Token-TIS"; verl rollout_is: token): w_t = min(ρ_t, C), C = 2."""
+    m = mask.float()
+    w = log_rho(logp_old, logp_mu, m).exp().clamp(max=c) * m
+    return _finish(w, logp_old, logp_mu, m)
+
+
+def token_mis(logp_old, logp_mu, mask, c: float = 2.0, c_low: float = 0.5, **_):
+    """Token masked IS (IcePop; TRL token_mask): w_t = ρ_t if C_low ≤ ρ_t ≤ C, else 0."""
     m = mask.float()
     rho = log_rho(logp_old, logp_mu, m).exp()
-    return m.clone(), correction_metrics(rho, m, m)
+    w = torch.where((rho >= c_low) & (rho <= c), rho, 0.0) * m
+    return _finish(w, logp_old, logp_mu, m)
 
 
-def token_tis(logp_old, logp_mu, mask, c: float = 2.0, **_) -> tuple[torch.Tensor, dict]:
-    """Token-level truncated IS (Paper A "GRPO + Token-TIS"): w_t = min(ρ_t, C), C = 2."""
+def seq_tis(logp_old, logp_mu, mask, c: float = 2.0, **_):
+    """Sequence truncated IS (verl rollout_is: sequence): w = min(ρ, C) on every token of the response."""
+    m = mask.float()
+    w_seq = seq_log_rho(logp_old, logp_mu, m).exp().clamp(max=c)
+    return _finish(w_seq[:, None] * m, logp_old, logp_mu, m)
+
+
+def seq_mis(logp_old, logp_mu, mask, c: float = 10.0, **_):
+    """Sequence masked IS (Paper A "GRPO + Seq-MIS", C = 10; TRL sequence_mask):
+    w = ρ · 1{ρ ≤ C} on every token (the response is dropped when ρ > C)."""
+    m = mask.float()
+    rho = seq_log_rho(logp_old, logp_mu, m).exp()
+    w_seq = torch.where(rho <= c, rho, 0.0)
+    return _finish(w_seq[:, None] * m, logp_old, logp_mu, m,
+                   {"correction/seq_masked_fraction": _frac_dropped(w_seq, m)})
+
+
+def geo_rs(logp_old, logp_mu, mask, c: float = 1.01, c_low: float = 0.99, **_):
+    """Geometric-mean rejection (Geo-RS; verl seq_mean_k1): keep a response (w = 1) iff
+    C_low ≤ exp(mean_t log ρ_t) ≤ C, else drop it (w = 0). Bounds are ours to tune."""
+    m = mask.float()
+    n = m.sum(-1).clamp(min=1)
+    geo = (log_rho(logp_old, logp_mu, m).sum(-1) / n).exp()
+    keep = ((geo >= c_low) & (geo <= c)).float()
+    return _finish(keep[:, None] * m, logp_old, logp_mu, m,
+                   {"correction/seq_masked_fraction": _frac_dropped(keep, m)})
+
+
+def veto(logp_old, logp_mu, mask, threshold: float = 1e-4, **_):
+    """Veto (slime rs_veto_threshold): drop a response containing any token with ρ_t < threshold."""
     m = mask.float()
     rho = log_rho(logp_old, logp_mu, m).exp()
-    w = rho.clamp(max=c) * m
-    return w, correction_metrics(rho, w, m)
+    bad = ((rho < threshold) & m.bool()).any(-1)
+    keep = (~bad).float()
+    return _finish(keep[:, None] * m, logp_old, logp_mu, m,
+                   {"correction/seq_masked_fraction": _frac_dropped(keep, m)})
 
 
-CORRECTIONS = {"none": none, "token_tis": token_tis}
+def _frac_dropped(w_seq: torch.Tensor, m: torch.Tensor) -> float:
+    has = m.sum(-1) > 0
+    return float((w_seq[has] == 0).float().mean()) if bool(has.any()) else 0.0
+
+
+CORRECTIONS = {"none": none, "token_tis": token_tis, "token_mis": token_mis, "seq_tis": seq_tis,
+               "seq_mis": seq_mis, "geo_rs": geo_rs, "veto": veto}
+TOKEN_LEVEL = {"token_tis", "token_mis"}

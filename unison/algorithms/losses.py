@@ -1,56 +1,147 @@
 """Policy losses (minimised) and their aggregation over tokens.
 
-A loss maps per-token log-probs under the current policy ``logp`` [B, L]
-(with gradient), the behaviour log-probs ``logp_old`` [B, L], advantages
-``adv`` [B], correction ``weights`` [B, L] and ``mask`` [B, L] to a per-token
-loss [B, L] (0 off the mask) and metrics. :func:`aggregate` turns it into a
-scalar with a normaliser computed over the whole mini-batch, so that
-gradient accumulation over micro-batches gives exactly the mini-batch loss.
+Every loss takes per-token log-probs under the current policy ``logp`` [B, L]
+(with gradient), the behaviour log-probs ``logp_old`` (π_θ', the learner's
+score pass, or μ in bypass mode), the rollout log-probs ``logp_mu``,
+advantages ``adv`` [B], correction ``weights`` [B, L] (detached; 1 for none)
+and ``mask`` [B, L], and returns a per-token loss [B, L] (0 off the mask) and
+metrics. :func:`aggregate` reduces it with a normaliser computed over the
+whole mini-batch, so gradient accumulation over micro-batches gives exactly
+the mini-batch loss. Registered by name in ``LOSSES``.
+
+Notation (fp16.md): r_t = π_θ(y_t)/π_θ'(y_t) (PPO ratio), ρ_t = π/μ, sg = stop-gradient.
+All ratios are formed in log space with exponents clamped to ±20.
 """
 
 from __future__ import annotations
 
 import torch
 
+LOG_CLAMP = 20.0
 
-def ppo_clip(logp, logp_old, adv, weights, mask, clip: float = 0.2, **_) -> tuple[torch.Tensor, dict]:
-    """PPO-clip (GRPO / Dr.GRPO), per token, minimised:
 
-        ℓ_t = −w_t · min(r_t A, clip(r_t, 1−ε, 1+ε) A),  r_t = exp(log π_θ − log π_old)
+def _masked_log_ratio(a, b, m):
+    return torch.where(m.bool(), (a - b).clamp(-LOG_CLAMP, LOG_CLAMP), 0.0)
 
-    ``w_t`` is the (detached) mismatch correction, e.g. min(ρ_t, C) for Token-TIS.
+
+def ppo_clip(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.2,
+             clip_high: float | None = None, **_):
+    """PPO-clip (GRPO / Dr.GRPO), per token:
+
+        ℓ_t = −w_t · min(r_t A, clip(r_t, 1−ε, 1+ε_high) A),  r_t = exp(log π_θ − log π_θ')
+
+    ``w_t`` is the mismatch correction (e.g. min(ρ_t, C) for Token-TIS).
     """
     m = mask.float()
-    log_r = torch.where(m.bool(), logp - logp_old, 0.0)
+    hi = clip if clip_high is None else clip_high
+    log_r = _masked_log_ratio(logp, logp_old, m)
     ratio = log_r.exp()
     a = adv[:, None].to(ratio.dtype)
     unclipped = ratio * a
-    clipped = ratio.clamp(1 - clip, 1 + clip) * a
+    clipped = ratio.clamp(1 - clip, 1 + hi) * a
     per_token = -torch.minimum(unclipped, clipped) * weights.detach() * m
     with torch.no_grad():
-        was_clipped = ((unclipped > clipped) & m.bool()).float()
         n = m.sum().clamp(min=1)
-        metrics = {"policy/clip_fraction": float(was_clipped.sum() / n),
+        metrics = {"policy/clip_fraction": float(((unclipped > clipped) & m.bool()).float().sum() / n),
                    "policy/ppo_kl": float(((ratio - 1) - log_r).mul(m).sum() / n)}
     return per_token, metrics
 
 
-LOSSES = {"ppo_clip": ppo_clip}
+def gspo(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 3e-4,
+         clip_high: float | None = 4e-4, **_):
+    """GSPO (Zheng et al. 2025): sequence ratio s = exp(mean_t(log π_θ − log π_θ')), PPO-clip
+    on s with a tiny band [1−ε_low, 1+ε_high] (≈[1−3e-4, 1+4e-4]).
 
-AGGREGATIONS = ("seq_mean_token_sum_norm", "token_mean")
-
-
-def aggregate(per_token: torch.Tensor, mode: str, num_tokens: int, num_seqs: int,
-              max_len: int) -> torch.Tensor:
-    """Sum the per-token loss and divide by a mini-batch normaliser.
-
-    * ``token_mean``: Σ ℓ_t / (response tokens in the mini-batch)
-    * ``seq_mean_token_sum_norm`` (Dr.GRPO, Paper A): Σ ℓ_t / (responses × max_len),
-      a constant that does not depend on the response lengths.
+    Token form with the same value and gradient: s_t = sg[s] · π_θ(y_t)/sg[π_θ(y_t)], so that
+    mean_t ∇s_t = ∇s; ℓ_t = −w_t · min(s_t A, clip(s_t) A). Aggregate with
+    ``seq_mean_token_mean`` for the sequence mean of −min(sA, clip(s)A).
     """
-    total = per_token.sum()
+    m = mask.float()
+    hi = clip if clip_high is None else clip_high
+    n_tok = m.sum(-1).clamp(min=1)
+    log_s = (_masked_log_ratio(logp, logp_old, m).sum(-1) / n_tok).clamp(-LOG_CLAMP, LOG_CLAMP)
+    s = log_s.detach().exp()[:, None] * torch.exp(logp - logp.detach())
+    a = adv[:, None].to(s.dtype)
+    unclipped = s * a
+    clipped = s.clamp(1 - clip, 1 + hi) * a
+    per_token = -torch.minimum(unclipped, clipped) * weights.detach() * m
+    with torch.no_grad():
+        has = m.sum(-1) > 0
+        seq_clipped = ((unclipped > clipped) & m.bool()).any(-1)
+        metrics = {"policy/clip_fraction": float(seq_clipped[has].float().mean()) if bool(has.any()) else 0.0,
+                   "policy/seq_ratio_mean": float(log_s[has].exp().mean()) if bool(has.any()) else 1.0}
+    return per_token, metrics
+
+
+def _seq_weight(logp, logp_mu, m):
+    """sg[π_θ(y)/μ(y)] per response, from clamped log space. Shape [B]."""
+    return _masked_log_ratio(logp.detach(), logp_mu, m).sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP).exp()
+
+
+def pg_seq_is(logp, logp_old, logp_mu, adv, weights, mask, **_):
+    """PG-Seq-IS (Paper A): vanilla policy gradient with the full sequence IS weight, unclipped:
+
+        ℓ_t = −sg[π_θ(y)/μ(y)] · A · log π_θ(y_t)
+
+    Summed over tokens this is −sg[π_θ(y)/μ(y)]·A·log π_θ(y): unbiased for samples from μ.
+    """
+    m = mask.float()
+    w = _seq_weight(logp, logp_mu, m)
+    per_token = -(w * adv.to(w.dtype))[:, None] * logp * m
+    has = m.sum(-1) > 0
+    return per_token, {"policy/is_weight_max": float(w[has].max()) if bool(has.any()) else 1.0,
+                       "policy/clip_fraction": 0.0}
+
+
+def pg_seq_mis(logp, logp_old, logp_mu, adv, weights, mask, loss_c: float = 3.0, **_):
+    """PG-Seq-MIS (Paper A, C = 3): as PG-Seq-IS, but a response whose weight
+    π_θ(y)/μ(y) exceeds C is masked out (contributes exactly zero). Masking as named;
+    Paper A's released code clamps instead (use ``pg_seq_is`` with ``seq_tis`` for that)."""
+    m = mask.float()
+    w = _seq_weight(logp, logp_mu, m)
+    keep = (w <= loss_c).to(w.dtype)
+    per_token = -(w * keep * adv.to(w.dtype))[:, None] * logp * m
+    has = m.sum(-1) > 0
+    return per_token, {"policy/clip_fraction": float(1 - keep[has].mean()) if bool(has.any()) else 0.0,
+                       "policy/is_weight_max": float(w[has].max()) if bool(has.any()) else 1.0}
+
+
+def pg_token_is(logp, logp_old, logp_mu, adv, weights, mask, **_):
+    """PG-Token-IS (Paper A): per-token weight, unclipped: ℓ_t = −sg[π_θ(y_t)/μ(y_t)] · A · log π_θ(y_t)."""
+    m = mask.float()
+    w = _masked_log_ratio(logp.detach(), logp_mu, m).exp() * m
+    per_token = -w * adv[:, None].to(w.dtype) * logp * m
+    return per_token, {"policy/clip_fraction": 0.0}
+
+
+LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "pg_seq_is": pg_seq_is, "pg_seq_mis": pg_seq_mis,
+          "pg_token_is": pg_token_is}
+#: losses that already weight by π/μ themselves: a further correction would apply it twice
+SELF_CORRECTING = {"pg_seq_is", "pg_seq_mis", "pg_token_is"}
+#: losses whose ratio is a sequence quantity: token-level corrections do not compose
+SEQUENCE_LEVEL = {"gspo"}
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def aggregate(per_token: torch.Tensor, mode: str, mask: torch.Tensor, num_tokens: int, num_seqs: int,
+              max_len: int) -> torch.Tensor:
+    """Reduce a per-token loss with a mini-batch normaliser (``num_tokens``/``num_seqs``
+    count the whole mini-batch, ``mask`` is the micro-batch's):
+
+    * ``token_mean``: Σ_{i,t} ℓ / (response tokens in the mini-batch)
+    * ``seq_mean_token_sum``: Σ_i Σ_t ℓ / (responses in the mini-batch)
+    * ``seq_mean_token_mean``: Σ_i (Σ_t ℓ / T_i) / (responses in the mini-batch)
+    * ``seq_mean_token_sum_norm`` (Dr.GRPO, Paper A): Σ_{i,t} ℓ / (responses × max_len),
+      a constant normaliser independent of the response lengths.
+    """
     if mode == "token_mean":
-        return total / max(num_tokens, 1)
+        return per_token.sum() / max(num_tokens, 1)
+    if mode == "seq_mean_token_sum":
+        return per_token.sum() / max(num_seqs, 1)
+    if mode == "seq_mean_token_mean":
+        lens = mask.float().sum(-1).clamp(min=1)
+        return (per_token.sum(-1) / lens).sum() / max(num_seqs, 1)
     if mode == "seq_mean_token_sum_norm":
-        return total / max(num_seqs * max_len, 1)
+        return per_token.sum() / max(num_seqs * max_len, 1)
     raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -1,28 +1,73 @@
 """Algorithm presets named as in Paper A, selected with ``algo: NAME``.
 
-A preset fills every ``policy.*`` field the user left unset.
+A preset fills every ``policy.*`` field the user left unset. Thresholds are
+the paper's (fp16.md, "Algorithms compared"): Token-TIS C = 2, Seq-MIS C = 10,
+GSPO band [1−3e-4, 1+4e-4], PG-Seq-MIS C = 3, PPO ε = 0.2.
 """
 
 from __future__ import annotations
 
+from unison.algorithms.corrections import TOKEN_LEVEL
+from unison.algorithms.losses import SELF_CORRECTING, SEQUENCE_LEVEL
 from unison.errors import UnisonError
 
+_GRPO = dict(advantage="drgrpo", loss="ppo_clip", correction="none", clip=0.2,
+             loss_agg="seq_mean_token_sum_norm")
+_PG = dict(advantage="drgrpo", correction="none", loss_agg="seq_mean_token_sum_norm")
+
 PRESETS: dict[str, dict] = {
-    # Paper A's GRPO: Dr.GRPO advantages (no std), PPO-clip ε = 0.2, token sum / max length
-    "grpo": dict(advantage="drgrpo", loss="ppo_clip", correction="none", correction_c=2.0,
-                 clip=0.2, loss_agg="seq_mean_token_sum_norm"),
-    # GRPO + Token-TIS: min(ρ_t, C) with C = 2 on each PPO term
-    "grpo_token_tis": dict(advantage="drgrpo", loss="ppo_clip", correction="token_tis", correction_c=2.0,
-                           clip=0.2, loss_agg="seq_mean_token_sum_norm"),
+    # GRPO in Dr.GRPO form: A = R − group mean, PPO-clip ε = 0.2, Σ tokens / (responses × max length)
+    "grpo": dict(_GRPO),
+    # GRPO + Token-TIS: min(ρ_t, 2) on each PPO term
+    "grpo_token_tis": dict(_GRPO, correction="token_tis", correction_c=2.0),
+    # GRPO + Seq-MIS: ρ·1{ρ ≤ 10} on each PPO term (drop the response when ρ > 10)
+    "grpo_seq_mis": dict(_GRPO, correction="seq_mis", correction_c=10.0),
+    # GSPO: std-normalised group advantage, sequence-ratio clip band [1−3e-4, 1+4e-4], per-sequence token mean
+    "gspo": dict(advantage="grpo", loss="gspo", correction="none", clip=3e-4, clip_high=4e-4,
+                 loss_agg="seq_mean_token_mean"),
+    # PG-Seq-IS: −sg[π(y)/μ(y)]·A·log π(y), unclipped (Paper A's favourite in FP16)
+    "pg_seq_is": dict(_PG, loss="pg_seq_is"),
+    # PG-Seq-MIS: as PG-Seq-IS, responses with π(y)/μ(y) > 3 masked out
+    "pg_seq_mis": dict(_PG, loss="pg_seq_mis", loss_c=3.0),
+    # PG-Token-IS: −sg[π(y_t)/μ(y_t)]·A·log π(y_t), unclipped
+    "pg_token_is": dict(_PG, loss="pg_token_is"),
 }
+
+_POLICY_KEYS = ("advantage", "loss", "correction", "correction_c", "correction_c_low", "veto_threshold",
+                "clip", "clip_high", "loss_c", "loss_agg", "bypass")
 
 
 def resolve_policy(algo: str, policy) -> dict:
-    """The effective policy settings: the preset, overridden by fields set in ``policy``."""
+    """The effective policy: the preset, overridden by every field set in ``policy``.
+
+    Refuses combinations that do not make sense: a correction on a loss that
+    already weights by π/μ (it would apply the ratio twice), and a token-level
+    correction on a sequence-level loss.
+    """
     if algo not in PRESETS:
         raise UnisonError(f"unknown algo '{algo}': choose one of {', '.join(PRESETS)}")
-    out = dict(PRESETS[algo])
+    out = {k: None for k in _POLICY_KEYS}
+    out.update(PRESETS[algo])
+    out["bypass"] = False
     for key, value in policy.model_dump().items():
         if value is not None:
             out[key] = value
+    if out["loss"] in SELF_CORRECTING and out["correction"] != "none":
+        raise UnisonError(f"policy.correction '{out['correction']}' cannot be combined with loss "
+                          f"'{out['loss']}', which already weights by π/μ: set policy.correction=none")
+    if out["loss"] in SEQUENCE_LEVEL and out["correction"] in TOKEN_LEVEL:
+        raise UnisonError(f"token-level correction '{out['correction']}' does not compose with the "
+                          f"sequence-level loss '{out['loss']}': use seq_tis, seq_mis, geo_rs or veto")
     return out
+
+
+def correction_kwargs(policy: dict) -> dict:
+    """Threshold arguments for the correction function; unset ones keep its own defaults."""
+    kw = {"c": policy["correction_c"], "c_low": policy["correction_c_low"],
+          "threshold": policy["veto_threshold"]}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def loss_kwargs(policy: dict) -> dict:
+    kw = {"clip": policy["clip"], "clip_high": policy["clip_high"], "loss_c": policy["loss_c"]}
+    return {k: v for k, v in kw.items() if v is not None}
