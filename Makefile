@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo probe test test-slow bench clean
 
 install: $(STAMP)
 
@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/unison probe --out $(OUT)/probe
+	$(VENV)/bin/unison sanity --out $(OUT)
+
+probe: install
+	$(VENV)/bin/unison probe --out $(OUT)-probe
 
 test: install
 	$(PY) -m pytest -q
@@ -29,6 +32,7 @@ test-slow: install
 
 bench: install
 	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/preset_step_time.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .unison-test-home

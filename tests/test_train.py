@@ -166,3 +166,24 @@ def test_bypass_mode_skips_the_score_pass_and_still_measures(tmp_path):
     assert r["time/score_s"] < 1e-3
     assert r["mismatch/k3"] > 1e-7  # from the first mini-batch's forward
     assert r["correction/ratio_max"] == 1.0  # π_old := μ, so every ρ_t is exactly 1
+
+
+def test_grad_noise_and_surge_schedule_in_the_loop(tmp_path, monkeypatch):
+    # the untrained model earns no task reward; a custom reward paying for characters gives
+    # the responses of a group different rewards, hence a non-zero gradient to measure
+    (tmp_path / "char_reward.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    extra = ["train.micro_batch_size=2", "train.schedule=surge_decay", "train.surge.trigger_step=1",
+             "train.surge.k=1.0", "checkpoint.every=2", "task.reward=char_reward:reward",
+             "task.truncated_reward=null"]
+    _, run = _run(tmp_path, "gn", extra, 3)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["optim/lr"] for r in rows] == pytest.approx([1e-4, 2.5e-5, 1.25e-5])  # step t: γ^t (t > t_s = 1)
+    assert [r["lr_schedule/phase"] for r in rows] == [2, 2, 2] and rows[0]["lr_schedule/surge_step"] == 1
+    for r in rows:
+        for k in ("noise_scale", "noise_scale_ema", "trace_sigma", "grad_sq", "small_sq", "big_sq"):
+            assert isinstance(r[f"grad_noise/{k}"], float), k
+        assert r["grad_noise/small_sq"] > r["grad_noise/big_sq"] > 0  # averaging shrinks the norm
+    # one micro-batch per optimizer step: no estimate, no crash
+    _, run1 = _run(tmp_path, "gn1", ["train.micro_batch_size=64"], 1)
+    assert "grad_noise/noise_scale" not in read_metrics(run1 / "metrics.jsonl")[0]

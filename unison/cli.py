@@ -111,6 +111,104 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def _add_filter(sub) -> None:
+    p = sub.add_parser("filter", help="keep the prompts a model is neither hopeless nor perfect on",
+                       description="Sample K responses per training prompt of the config's task with the "
+                                   "config's model; write the prompts whose pass rate lies in the band "
+                                   "(default: strictly between 0 and 1) as JSONL with their pass rates.")
+    p.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("--out", required=True, help="output JSONL file")
+    p.add_argument("--k", type=int, default=8, help="samples per prompt (default: 8)")
+    p.add_argument("--band", default=None, metavar="LO,HI",
+                   help="keep pass rates in [LO, HI] (default: 0 < rate < 1)")
+    p.add_argument("--max-prompts", type=int, default=None, help="keep at most this many prompts")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.set_defaults(func=cmd_filter)
+
+
+def cmd_filter(args) -> int:
+    from unison.config import load_config
+    from unison.filter import parse_band, run_filter
+
+    band = parse_band(args.band)
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out)
+    if out.exists() and out.is_dir():
+        raise UnisonError(f"--out '{out}' is a directory: pass a .jsonl file path")
+    run_filter(cfg, out, k=args.k, band=band, max_prompts=args.max_prompts,
+               log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
+def _add_sanity(sub) -> None:
+    p = sub.add_parser("sanity", help="Paper A's sanity test end to end (SFT, filter, one RL arm per "
+                                      "precision, report)",
+                       description="SFT warm start, filter a perfectible training set, run the same RL "
+                                   "configuration once per precision (and algorithm) with the same seed, "
+                                   "and write a comparison report. Rerunning with the same --out reuses "
+                                   "finished stages and resumes unfinished arms.")
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML overriding the built-in sanity recipe (unison/sanity.py DEFAULTS)")
+    p.add_argument("--out", default="runs/sanity", help="output directory (default: runs/sanity)")
+    p.add_argument("--precisions", default="fp16,bf16,fp32", help="comma-separated (default: fp16,bf16,fp32)")
+    p.add_argument("--algorithms", default="grpo", help="comma-separated presets (default: grpo)")
+    p.add_argument("--k", type=int, default=8, help="filter: samples per prompt (default: 8)")
+    p.add_argument("--band", default=None, metavar="LO,HI", help="filter: pass-rate band (default: 0<p<1)")
+    p.add_argument("--max-prompts", type=int, default=32, help="filter: size of the training set (default: 32)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.set_defaults(func=cmd_sanity)
+
+
+def cmd_sanity(args) -> int:
+    from rich.console import Console
+
+    from unison.filter import parse_band
+    from unison.probe import ratio
+    from unison.sanity import run_sanity, sanity_config
+
+    band = parse_band(args.band)
+    cfg = sanity_config(args.config, args.set)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
+    summaries, report, rich_table = run_sanity(cfg, out, _csv(args.precisions), _csv(args.algorithms),
+                                               k=args.k, band=band, max_prompts=args.max_prompts)
+    console = Console(width=max(Console().width, 140))
+    console.print(rich_table(summaries))
+    by = {s["arm"]: s for s in summaries}
+    for algo in _csv(args.algorithms):
+        bf, fp = by.get(f"bf16/{algo}"), by.get(f"fp16/{algo}")
+        if bf and fp and bf["k3_mean"] is not None and fp["k3_mean"]:
+            console.print(f"{algo}: mean token k3 bf16/fp16 = {ratio(bf['k3_mean'], fp['k3_mean']):.0f}x")
+    console.print(f"report: {report}")
+    return 0
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="overlaid curves and a comparison table of run directories",
+                       description="Write report.md (table per run: final training accuracy, steps to 95%%, "
+                                   "mismatch, skipped steps, wall time, tokens/s) and overlaid plots.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (unison train / sanity arms)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default: the run itself for one run, else ./report)")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from rich.console import Console
+
+    from unison.report import rich_table, summarize, write_report
+
+    runs = [Path(r) for r in args.runs]
+    summaries = [summarize(r) for r in runs]
+    out = Path(args.out) if args.out else (runs[0] if len(runs) == 1 else Path("report"))
+    path = write_report(runs, out)
+    console = Console(width=max(Console().width, 140))
+    console.print(rich_table(summaries))
+    console.print(f"report: {path}")
+    return 0
+
+
 def _fmt(x) -> str:
     return "–" if x is None else f"{x:.1f}x"
 
@@ -126,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe(sub)
     _add_sft(sub)
     _add_train(sub)
+    _add_filter(sub)
+    _add_sanity(sub)
+    _add_report(sub)
     return parser
 
 

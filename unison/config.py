@@ -39,7 +39,9 @@ class TaskConfig(_Section):
     eval_size: int = Field(200, ge=0)
     #: seed of the task generator (train/eval split included)
     seed: int = 0
-    #: math: JSONL file with ``problem`` and ``answer`` per row
+    #: math: JSONL file with ``problem`` and ``answer`` per row;
+    #: arithmetic: optional JSONL of ``prompt``/``answer`` rows that replaces the generated
+    #: train split (e.g. the perfectible set written by ``unison filter``)
     path: str | None = None
     #: math: JSONL file for evaluation (default: hold out ``eval_size`` rows of ``path``)
     eval_path: str | None = None
@@ -95,6 +97,37 @@ class PolicyConfig(_Section):
     bypass: bool = False
 
 
+class SurgeConfig(_Section):
+    """Paper B's decay-on-surge schedule (``train.schedule: surge_decay``); docs/lr-schedule.md."""
+
+    #: what to watch: length (mean response length, Paper B) | mismatch (token k3) | grad_noise (noise-scale EMA)
+    trigger: Literal["length", "mismatch", "grad_noise"] = "length"
+    #: baseline_ratio (mean of the first `window` steps after warmup) | ema_ratio (signal / its EMA)
+    detector: Literal["baseline_ratio", "ema_ratio"] = "baseline_ratio"
+    #: baseline_ratio: steps averaged for the baseline
+    window: int = Field(50, ge=1)
+    #: fire when the (smoothed) signal is ≥ multiplier × baseline (or × EMA)
+    multiplier: float = Field(3.0, gt=0)
+    #: consecutive steps over the threshold needed to fire
+    patience: int = Field(1, ge=1)
+    #: baseline_ratio: steps the signal is smoothed over
+    smooth: int = Field(5, ge=1)
+    #: ema_ratio: EMA coefficient
+    ema_alpha: float = Field(0.1, gt=0, le=1)
+    #: ema_ratio: no firing during the first / after a firing for this many steps
+    cooldown: int = Field(10, ge=0)
+    #: decay period multiplier: T_decay = round(k · t_s)
+    k: float = Field(1.8, gt=0)
+    #: decay factor per period
+    gamma: float = Field(0.5, gt=0, le=1)
+    #: LR floor as a fraction of train.lr
+    rho_min: float = Field(0.1, ge=0, le=1)
+    #: count t from step 0 (start, the default) or from the surge step (surge)
+    count_from: Literal["start", "surge"] = "start"
+    #: fix the surge step by hand (ablations); the detector is then ignored
+    trigger_step: int | None = Field(None, ge=1)
+
+
 class TrainConfig(_Section):
     steps: int = Field(40, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -109,7 +142,8 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     #: constant | warmup (linear warmup, then constant) | cosine (warmup, then cosine to min_lr_ratio)
-    schedule: Literal["constant", "warmup", "cosine"] = "constant"
+    #: | surge_decay (Paper B: step decay after a response-length surge; see train.surge)
+    schedule: Literal["constant", "warmup", "cosine", "surge_decay"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     #: DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage)
@@ -118,6 +152,12 @@ class TrainConfig(_Section):
     oversample_rounds: int = Field(0, ge=0)
     #: evaluate on the held-out split every N steps (0 = never); greedy decoding
     eval_every: int = Field(0, ge=0)
+    surge: SurgeConfig = SurgeConfig()
+    #: gradient-noise telemetry (McCandlish et al.) from micro-batch gradients; needs ≥ 2
+    #: micro-batches per optimizer step
+    grad_noise: bool = True
+    #: EMA coefficient of the noise-scale estimate
+    grad_noise_ema: float = Field(0.1, gt=0, le=1)
 
 
 class SFTConfig(_Section):

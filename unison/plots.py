@@ -62,38 +62,51 @@ def _save(fig, path: Path) -> Path:
 RUN_PANELS = [
     ("reward/mean", "training reward"),
     ("mismatch/k3", "token k3 (μ‖π)"),
-    ("mismatch/prob_diff_mean", "mean |π − μ|"),
+    ("mismatch/prob_diff_mean", "|π − μ|: mean (solid), max (dashed)"),
     ("response_length/mean", "response length"),
     ("optim/lr", "learning rate"),
     ("optim/loss_scale", "loss scale"),
+    ("grad_noise/noise_scale_ema", "gradient noise scale (EMA)"),
+    ("policy/entropy", "policy entropy"),
 ]
+LOG_PANELS = ("mismatch/k3", "mismatch/prob_diff_mean", "optim/loss_scale", "grad_noise/noise_scale_ema")
 
 
-def run_plots(run_dirs, out_dir: Path | None = None) -> list[Path]:
-    """Curves against step for one or more run directories (overlaid), one PNG per metric
-    plus an overview grid. Written to ``out_dir`` (default: the single run's ``plots/``)."""
+def run_plots(run_dirs, out_dir: Path | None = None, labels: list[str] | None = None) -> list[Path]:
+    """Curves against step for one or more run directories, overlaid: an overview grid
+    (reward, token k3, mean and max |π − μ|, response length, LR, loss scale).
+    Written to ``out_dir`` (default: the first run's ``plots/``)."""
     import json
 
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [Path(run_dirs)]
     run_dirs = [Path(d) for d in run_dirs]
+    labels = labels or [d.name for d in run_dirs]
     out_dir = Path(out_dir) if out_dir else run_dirs[0] / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    series = {}
-    for d in run_dirs:
+    series = []
+    for d, label in zip(run_dirs, labels):
         rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        series[d.name] = rows
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+        series.append((label, rows))
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
     for ax, (key, title) in zip(axes.flat, RUN_PANELS):
-        for name, rows in series.items():
+        for i, (label, rows) in enumerate(series):
+            color = f"C{i}"
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
-                ax.plot(*zip(*pts), label=name, lw=1.3)
+                ax.plot(*zip(*pts), label=label, lw=1.3, color=color)
+            if key == "mismatch/prob_diff_mean":
+                mx = [(r["step"], r["mismatch/prob_diff_max"]) for r in rows
+                      if isinstance(r.get("mismatch/prob_diff_max"), (int, float))]
+                if mx:
+                    ax.plot(*zip(*mx), lw=0.9, ls="--", color=color)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-        if key in ("mismatch/k3", "mismatch/prob_diff_mean", "optim/loss_scale"):
-            if any(r.get(key) for rows in series.values() for r in rows):
-                ax.set_yscale("log")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged in these runs", ha="center", va="center",
+                    transform=ax.transAxes, color="grey")
+        if key in LOG_PANELS and any((r.get(key) or 0) > 0 for _, rows in series for r in rows):
+            ax.set_yscale("log")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     return [_save(fig, out_dir / "training_curves.png")]

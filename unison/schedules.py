@@ -1,18 +1,21 @@
-"""Learning-rate schedules. The length-triggered decay of Paper B will live here too.
+"""Learning-rate schedules, response-length surge detection (Paper B), gradient-noise telemetry.
 
-A schedule is a small stateful object: ``lr(step)`` gives the LR for a
-training step, ``observe(step, metrics)`` lets a schedule react to what the
-run measured (response length, mismatch, gradient noise), and
-``state_dict``/``load_state_dict`` carry its state through checkpoints.
+A schedule is a small stateful object. ``lr(step)`` gives the LR of training
+step ``step`` — numbered from 1, as ``"step"`` in metrics.jsonl — and
+``observe(step, metrics)`` lets a schedule react to what step ``step``
+measured (response length, mismatch, gradient noise) and returns its own
+metrics. ``state_dict``/``load_state_dict`` carry the state through
+checkpoints, so a resumed run keeps its schedule.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 
 class LRSchedule:
-    """constant | warmup (linear from 0 over ``warmup_steps``, then constant) |
+    """constant | warmup (linear over ``warmup_steps``, then constant) |
     cosine (warmup, then cosine from ``lr`` to ``min_lr_ratio·lr`` at the last step)."""
 
     def __init__(self, kind: str, base_lr: float, total_steps: int, warmup_steps: int = 0,
@@ -20,18 +23,25 @@ class LRSchedule:
         self.kind, self.base_lr, self.total = kind, base_lr, total_steps
         self.warmup, self.min_ratio = warmup_steps, min_lr_ratio
 
+    def warmup_lr(self, step: int) -> float | None:
+        if self.warmup and step <= self.warmup:
+            return self.base_lr * step / self.warmup
+        return None
+
     def lr(self, step: int) -> float:
-        if self.kind != "constant" and self.warmup and step < self.warmup:
-            return self.base_lr * (step + 1) / self.warmup
+        if self.kind != "constant":
+            w = self.warmup_lr(step)
+            if w is not None:
+                return w
         if self.kind == "cosine":
             span = max(self.total - self.warmup - 1, 1)
-            frac = min(max(step - self.warmup, 0) / span, 1.0)
+            frac = min(max(step - self.warmup - 1, 0) / span, 1.0)
             return self.base_lr * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
         return self.base_lr
 
     def observe(self, step: int, metrics: dict) -> dict:
-        """React to a step's metrics; return metrics of the schedule itself (none here)."""
-        return {}
+        """React to step ``step``'s metrics; return the schedule's own (no surge here: −1)."""
+        return {"lr_schedule/surge_step": -1}
 
     def state_dict(self) -> dict:
         return {}
@@ -40,6 +50,185 @@ class LRSchedule:
         pass
 
 
+# ------------------------------------------------------------------ surge detectors
+class BaselineRatioDetector:
+    """Baseline = mean of the signal over its first ``window`` observations; fires when
+    the signal smoothed over the last ``smooth`` observations is ≥ ``multiplier`` × baseline
+    for ``patience`` consecutive observations. (A public re-implementation of Paper B
+    used window 50, multiplier 3.)"""
+
+    def __init__(self, window: int = 50, multiplier: float = 3.0, patience: int = 1, smooth: int = 5):
+        self.window, self.multiplier, self.patience, self.smooth = window, multiplier, patience, smooth
+        self.baseline_values: list[float] = []
+        self.recent: deque = deque(maxlen=smooth)
+        self.streak = 0
+
+    def update(self, value: float) -> tuple[bool, float | None]:
+        self.recent.append(value)
+        if len(self.baseline_values) < self.window:
+            self.baseline_values.append(value)
+            return False, None
+        base = sum(self.baseline_values) / len(self.baseline_values)
+        ratio = (sum(self.recent) / len(self.recent)) / base if base > 0 else None
+        self.streak = self.streak + 1 if ratio is not None and ratio >= self.multiplier else 0
+        return self.streak >= self.patience, ratio
+
+    def state_dict(self):
+        return {"baseline_values": list(self.baseline_values), "recent": list(self.recent),
+                "streak": self.streak}
+
+    def load_state_dict(self, s):
+        self.baseline_values = list(s["baseline_values"])
+        self.recent = deque(s["recent"], maxlen=self.smooth)
+        self.streak = s["streak"]
+
+
+class EMARatioDetector:
+    """Fires when signal_t / EMA_{t−1}(signal) ≥ ``multiplier`` for ``patience`` consecutive
+    observations. It never fires during the first ``cooldown`` observations (EMA burn-in)
+    nor within ``cooldown`` observations after it fired."""
+
+    def __init__(self, alpha: float = 0.1, multiplier: float = 1.5, patience: int = 3, cooldown: int = 10):
+        self.alpha, self.multiplier, self.patience, self.cooldown = alpha, multiplier, patience, cooldown
+        self.ema: float | None = None
+        self.streak = 0
+        self.quiet = cooldown  # observations left before firing is allowed
+
+    def update(self, value: float) -> tuple[bool, float | None]:
+        ratio = value / self.ema if self.ema not in (None, 0.0) else None
+        self.ema = value if self.ema is None else (1 - self.alpha) * self.ema + self.alpha * value
+        self.streak = self.streak + 1 if ratio is not None and ratio >= self.multiplier else 0
+        if self.quiet > 0:
+            self.quiet -= 1
+            return False, ratio
+        if self.streak >= self.patience:
+            self.quiet, self.streak = self.cooldown, 0
+            return True, ratio
+        return False, ratio
+
+    def state_dict(self):
+        return {"ema": self.ema, "streak": self.streak, "quiet": self.quiet}
+
+    def load_state_dict(self, s):
+        self.ema, self.streak, self.quiet = s["ema"], s["streak"], s["quiet"]
+
+
+TRIGGER_SIGNALS = {"length": "response_length/mean", "mismatch": "mismatch/k3",
+                   "grad_noise": "grad_noise/noise_scale_ema"}
+
+
+class SurgeDecaySchedule(LRSchedule):
+    """Paper B's length-triggered step decay (lr-schedule.md), with other triggers.
+
+        phase 1: η(t) = η0 (after optional linear warmup) until a surge is detected at step t_s
+        phase 2: T_decay = round(k · t_s);  η(t) = max(η0 · γ^⌊t' / T_decay⌋, ρ_min · η0)
+
+    with t' = t (``count_from: start``, the default) or t' = t − t_s (``count_from: surge``).
+    Counting from step 0 puts the first halving at step T_decay ≈ 1.8·t_s.
+    ``trigger``: ``length`` (mean response length, the paper's), ``mismatch`` (token k3),
+    ``grad_noise`` (EMA of the gradient noise scale). ``trigger_step`` fixes t_s by hand.
+    """
+
+    def __init__(self, base_lr: float, warmup_steps: int = 0, k: float = 1.8, gamma: float = 0.5,
+                 rho_min: float = 0.1, count_from: str = "start", trigger: str = "length",
+                 detector=None, trigger_step: int | None = None):
+        super().__init__("surge", base_lr, 0, warmup_steps)
+        self.k, self.gamma, self.rho_min, self.count_from = k, gamma, rho_min, count_from
+        self.signal = TRIGGER_SIGNALS[trigger]
+        self.detector = detector or BaselineRatioDetector()
+        self.surge_step: int | None = trigger_step
+        self.manual = trigger_step is not None
+        self.last_ratio: float | None = None
+
+    @property
+    def period(self) -> int | None:
+        return None if self.surge_step is None else max(1, round(self.k * self.surge_step))
+
+    def lr(self, step: int) -> float:
+        w = self.warmup_lr(step)
+        if w is not None:
+            return w
+        if self.surge_step is None or step <= self.surge_step:
+            return self.base_lr
+        t = step if self.count_from == "start" else step - self.surge_step
+        return max(self.base_lr * self.gamma ** (t // self.period), self.rho_min * self.base_lr)
+
+    def observe(self, step: int, metrics: dict) -> dict:
+        value = metrics.get(self.signal)
+        if step > self.warmup and not self.manual and isinstance(value, (int, float)) and math.isfinite(value):
+            fired, self.last_ratio = self.detector.update(float(value))
+            if fired and self.surge_step is None:
+                self.surge_step = step
+        return {"lr_schedule/surge_step": self.surge_step if self.surge_step is not None else -1,
+                "lr_schedule/phase": 1 if self.surge_step is None else 2,
+                "lr_schedule/detector_ratio": self.last_ratio,
+                "lr_schedule/decay_period": self.period if self.period is not None else -1}
+
+    def state_dict(self) -> dict:
+        return {"surge_step": self.surge_step, "last_ratio": self.last_ratio,
+                "detector": self.detector.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.surge_step, self.last_ratio = state["surge_step"], state["last_ratio"]
+            self.detector.load_state_dict(state["detector"])
+
+
 def make_schedule(train_cfg) -> LRSchedule:
+    if train_cfg.schedule == "surge_decay":
+        s = train_cfg.surge
+        if s.detector == "baseline_ratio":
+            det = BaselineRatioDetector(s.window, s.multiplier, s.patience, s.smooth)
+        else:
+            det = EMARatioDetector(s.ema_alpha, s.multiplier, s.patience, s.cooldown)
+        return SurgeDecaySchedule(train_cfg.lr, train_cfg.warmup_steps, s.k, s.gamma, s.rho_min,
+                                  s.count_from, s.trigger, det, s.trigger_step)
     return LRSchedule(train_cfg.schedule, train_cfg.lr, train_cfg.steps, train_cfg.warmup_steps,
                       train_cfg.min_lr_ratio)
+
+
+# ------------------------------------------------------------------ gradient noise
+def noise_scale_terms(small_sq: float, small_batch: float, big_sq: float, big_batch: float) -> dict:
+    """McCandlish et al. (2018) unbiased estimates from gradient norms at two batch sizes:
+
+        |G|²  ≈ (B_b·|g_b|² − B_s·|g_s|²) / (B_b − B_s)
+        tr(Σ) ≈ (|g_s|² − |g_b|²) / (1/B_s − 1/B_b)
+        B_noise = tr(Σ) / |G|²
+
+    ``small_sq`` is the mean squared norm of micro-batch gradients (each normalised as a
+    mean over its own ``small_batch`` samples), ``big_sq`` that of their average over
+    ``big_batch`` samples. Either estimate can come out negative on a noisy step.
+    """
+    if big_batch <= small_batch:
+        return {}
+    g2 = (big_batch * big_sq - small_batch * small_sq) / (big_batch - small_batch)
+    tr = (small_sq - big_sq) / (1.0 / small_batch - 1.0 / big_batch)
+    return {"grad_noise/grad_sq": g2, "grad_noise/trace_sigma": tr, "grad_noise/small_sq": small_sq,
+            "grad_noise/big_sq": big_sq, "grad_noise/noise_scale": tr / g2 if g2 != 0 else float("nan")}
+
+
+class GradNoiseTracker:
+    """Accumulates the McCandlish terms over a run; its EMAs of tr(Σ) and |G|² give a
+    steadier noise scale (``grad_noise/noise_scale_ema`` = EMA(tr Σ) / EMA(|G|²))."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self.ema_tr: float | None = None
+        self.ema_g2: float | None = None
+
+    def update(self, terms: dict) -> dict:
+        if not terms or not all(math.isfinite(terms[k]) for k in ("grad_noise/grad_sq", "grad_noise/trace_sigma")):
+            return {}
+        tr, g2 = terms["grad_noise/trace_sigma"], terms["grad_noise/grad_sq"]
+        a = self.alpha
+        self.ema_tr = tr if self.ema_tr is None else (1 - a) * self.ema_tr + a * tr
+        self.ema_g2 = g2 if self.ema_g2 is None else (1 - a) * self.ema_g2 + a * g2
+        out = dict(terms)
+        out["grad_noise/noise_scale_ema"] = self.ema_tr / self.ema_g2 if self.ema_g2 else float("nan")
+        return out
+
+    def state_dict(self):
+        return {"ema_tr": self.ema_tr, "ema_g2": self.ema_g2}
+
+    def load_state_dict(self, s):
+        self.ema_tr, self.ema_g2 = s["ema_tr"], s["ema_g2"]

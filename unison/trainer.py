@@ -38,7 +38,7 @@ from unison.models import resolve_model_dir
 from unison.precision import Precision, autocast, make_grad_scaler
 from unison.probe import atomic_write_text
 from unison.rollout import SamplingParams, make_engine
-from unison.schedules import make_schedule
+from unison.schedules import GradNoiseTracker, make_schedule, noise_scale_terms
 from unison.sft import evaluate, save_model_dir
 from unison.tasks import make_reward, make_task
 
@@ -84,6 +84,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
                  log=lambda m: print(m, file=sys.stderr, flush=True)):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+        #: optional callback ``on_step(metrics)`` after each step (progress views)
+        self.on_step = None
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
         model_dir = resolve_model_dir(cfg.model)
@@ -108,6 +110,7 @@ class Trainer:
         self.scaler = make_grad_scaler(self.prec, cfg.device, init_scale=cfg.scaler.init_scale,
                                        growth_interval=cfg.scaler.growth_interval)
         self.schedule = make_schedule(t)
+        self.noise = GradNoiseTracker(t.grad_noise_ema)
         self.sampler = PromptSampler(len(self.task.train), cfg.seed)
         self.step = 0
         self.skipped_steps = 0
@@ -234,7 +237,7 @@ class Trainer:
         weights, cmetrics = CORRECTIONS[pol["correction"]](batch.logp_old, batch.logp_mu, mask,
                                                            **correction_kwargs(pol))
         t_tele = time.perf_counter() - t0
-        lr = self.schedule.lr(step)
+        lr = self.schedule.lr(step + 1)
         for g in self.opt.param_groups:
             g["lr"] = lr
 
@@ -273,7 +276,7 @@ class Trainer:
             "time/sync_s": t_sync, "time/step_s": step_s, "time/telemetry_s": t_tele,
             "throughput/tokens_per_s": n_tokens / max(step_s, 1e-9),
         })
-        metrics.update(self.schedule.observe(step, metrics))
+        metrics.update(self.schedule.observe(step + 1, metrics))
         self.step += 1
         return metrics
 
@@ -290,11 +293,16 @@ class Trainer:
                 "optim/grad_norm": 0.0}
         first = {"rows": chunks[0], "logp": torch.zeros((len(chunks[0]), batch.tokens.shape[1]))}
         n_opt = 0
+        noise_terms = []
+        per_token_units = pol["loss_agg"] == "token_mean"  # batch size in tokens, else in responses
         for mb_i, mb in enumerate(chunks):
             mask_mb = batch.response_mask[mb]
             n_tok, n_seq = int(mask_mb.sum()), len(mb)
             self.opt.zero_grad(set_to_none=True)
             loss_total, ent_sum = 0.0, 0.0
+            track = t.grad_noise and len(mb) > t.micro_batch_size
+            prev = [torch.zeros_like(p) for p in self.params] if track else None
+            micro_sq, micro_units = [], []
             for start in range(0, len(mb), t.micro_batch_size):
                 rows = mb[start:start + t.micro_batch_size]
                 m = batch.response_mask[rows].to(cfg.device)
@@ -308,6 +316,14 @@ class Trainer:
                 loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, cfg.rollout.max_new_tokens)
                 self.scaler.scale(loss).backward()
                 loss_total += float(loss.detach())
+                if track:  # this micro-batch's share of the gradient, as a difference of sums
+                    sq = 0.0
+                    for p, q in zip(self.params, prev):
+                        if p.grad is not None:
+                            sq += float((p.grad.float() - q.float()).pow(2).sum())
+                            q.copy_(p.grad)
+                    micro_sq.append(sq)
+                    micro_units.append(float(m.sum()) if per_token_units else len(rows))
                 frac = float(m.sum()) / max(n_tok, 1)
                 for k, v in lm.items():  # *_max: max; others: token-weighted mean
                     if k.endswith("_max"):
@@ -330,9 +346,23 @@ class Trainer:
             else:
                 sums["optim/grad_norm"] += gn
                 n_opt += 1
+                if track and len(micro_sq) > 1:
+                    big_units = sum(micro_units)
+                    scale2 = float(self.scaler.get_scale()) ** 2 if self.scaler.is_enabled() else 1.0
+                    # micro share c_k = (B_k/B)·g_k  ->  |g_k|² = |c_k|²·(B/B_k)²
+                    small = [sq / scale2 * (big_units / u) ** 2 for sq, u in zip(micro_sq, micro_units)]
+                    pre_clip_sq = gn ** 2
+                    noise_terms.append(noise_scale_terms(sum(small) / len(small),
+                                                         big_units / len(small), pre_clip_sq, big_units))
             sums["policy/loss"] += loss_total / len(chunks)
             sums["policy/entropy"] += ent_sum / max(n_tok, 1) / len(chunks)
         sums["optim/grad_norm"] = sums["optim/grad_norm"] / n_opt if n_opt else float("nan")
+        noise_terms = [x for x in noise_terms if x]
+        if noise_terms:
+            avg = {k: sum(x[k] for x in noise_terms) / len(noise_terms) for k in noise_terms[0]}
+            avg["grad_noise/noise_scale"] = (avg["grad_noise/trace_sigma"] / avg["grad_noise/grad_sq"]
+                                             if avg["grad_noise/grad_sq"] else float("nan"))
+            sums.update(self.noise.update(avg))
         model.eval()
         return sums, first
 
@@ -353,6 +383,8 @@ class Trainer:
             self._write_metrics(metrics)
             history.append(metrics)
             last = metrics
+            if self.on_step is not None:
+                self.on_step(metrics)
             if cfg.log.console:
                 done = self.step - first_step
                 eta = (time.perf_counter() - t_start) / done * (total - self.step)
@@ -364,11 +396,11 @@ class Trainer:
         summary = self._summary(last, time.perf_counter() - t_start)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         try:
-            from unison.plots import run_plots
+            from unison.report import write_report
 
-            run_plots(self.run_dir)
+            write_report([self.run_dir], self.run_dir, title=f"run {self.run_dir.name}")
         except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the run
-            self.log(f"[train] plots skipped: {e}")
+            self.log(f"[train] report skipped: {e}")
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -414,6 +446,7 @@ class Trainer:
             "step": self.step, "skipped_steps": self.skipped_steps,
             "optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict(),
             "schedule": self.schedule.state_dict(), "sampler": self.sampler.state_dict(),
+            "grad_noise": self.noise.state_dict(),
             "reward_errors": self.reward.errors,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": np.random.get_state()},
@@ -455,6 +488,7 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self.schedule.load_state_dict(state["schedule"])
+        self.noise.load_state_dict(state["grad_noise"])
         self.sampler.load_state_dict(state["sampler"])
         self.reward.errors = state.get("reward_errors", 0)
         torch.set_rng_state(state["rng"]["torch"])

@@ -83,7 +83,7 @@ def make_task(cfg) -> Task:
         from unison.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(digits=cfg.digits, operators=cfg.operators, train_size=cfg.train_size,
-                              eval_size=cfg.eval_size, seed=cfg.seed)
+                              eval_size=cfg.eval_size, seed=cfg.seed, path=cfg.path)
     if cfg.name == "math":
         from unison.tasks.math import MathTask
 

@@ -18,7 +18,7 @@ class ArithmeticTask(Task):
     name = "arithmetic"
 
     def __init__(self, digits: int = 2, operators=("+",), train_size: int = 2000, eval_size: int = 200,
-                 seed: int = 0):
+                 seed: int = 0, path: str | None = None):
         lo, hi = (0, 9) if digits == 1 else (10 ** (digits - 1), 10**digits - 1)
         ops = list(operators)
         space = (hi - lo + 1) ** 2 * len(ops)
@@ -35,6 +35,13 @@ class ArithmeticTask(Task):
             seen.add((a, op, b))
             problems.append(Item(prompt=f"{a}{op}{b}=", answer=str(_OPS[op](a, b))))
         self.train, self.eval = problems[:train_size], problems[train_size:]
+        if path:  # a fixed prompt set (e.g. from `unison filter`) replaces the generated train split
+            from unison.data_io import read_jsonl
+
+            rows = read_jsonl(path, {"prompt": str, "answer": (str, int)})
+            self.train = [Item(prompt=r["prompt"], answer=str(r["answer"])) for r in rows]
+            taken = {it.prompt for it in self.train}
+            self.eval = [it for it in self.eval if it.prompt not in taken]
 
     def score(self, response: str, item: Item) -> float:
         return 1.0 if response.strip() == item.answer else 0.0

@@ -1,0 +1,115 @@
+"""The perfectible filter, the report, and `unison sanity` end to end (small)."""
+
+import json
+
+import pytest
+
+from unison.cli import main
+from unison.config import load_config
+from unison.errors import UnisonError
+from unison.filter import in_band, parse_band, run_filter
+from unison.report import markdown_table, summarize
+
+
+def test_band_parsing_and_membership():
+    assert parse_band(None) is None and parse_band("0.2,0.8") == (0.2, 0.8)
+    assert [in_band(r, None) for r in (0.0, 0.125, 1.0)] == [False, True, False]
+    assert [in_band(r, (0.25, 0.5)) for r in (0.125, 0.25, 0.5, 0.625)] == [False, True, True, False]
+    for bad in ("0.8,0.2", "x", "0.1,1.5"):
+        with pytest.raises(UnisonError):
+            parse_band(bad)
+
+
+# 1-digit sums, differences and products: 280 of the 300 problems to train on, so that a
+# minute of SFT leaves the model right on some prompts and wrong on others
+TASK = ["task.digits=1", 'task.operators=["+","-","*"]', "task.train_size=280", "task.eval_size=20",
+        "rollout.max_new_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    """A briefly supervised tiny model that is right on some 1-digit sums, wrong on others."""
+    from unison.sft import run_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    cfg = load_config(None, TASK + ["sft.steps=60", "sft.batch_size=32"])
+    run_sft(cfg, out, log=lambda m: None)
+    return out / "model"
+
+
+def test_filter_respects_the_band_and_is_deterministic(tmp_path, sft_model):
+    cfg = load_config(None, TASK + [f"model={sft_model}"])
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    run_filter(cfg, a, k=4, log=lambda m: None)
+    run_filter(cfg, b, k=4, log=lambda m: None)
+    assert a.read_text() == b.read_text()
+    rows = [json.loads(x) for x in a.read_text().splitlines()]
+    assert rows and all(0 < r["pass_rate"] < 1 for r in rows)
+    assert all(r["pass_rate"] * 4 == int(r["pass_rate"] * 4) for r in rows)  # k = 4 samples
+    c = tmp_path / "c.jsonl"
+    run_filter(cfg, c, k=4, band=(0.5, 0.75), max_prompts=3, log=lambda m: None)
+    rows_c = [json.loads(x) for x in c.read_text().splitlines()]
+    assert 1 <= len(rows_c) <= 3 and all(0.5 <= r["pass_rate"] <= 0.75 for r in rows_c)
+    # the kept prompts become the training split of the task
+    from unison.tasks import make_task
+
+    task = make_task(load_config(None, TASK + [f"task.path={a}"]).task)
+    assert [t.prompt for t in task.train] == [r["prompt"] for r in rows]
+    assert not {t.prompt for t in task.train} & {t.prompt for t in task.eval}
+
+
+def _write_run(d, rewards, k3, skipped=0):
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("precision: fp16\nalgo: grpo\n")
+    rows = [{"step": i + 1, "reward/mean": r, "mismatch/k3": k, "mismatch/prob_diff_mean": k,
+             "mismatch/prob_diff_max": 2 * k, "optim/skipped_steps": skipped, "time/step_s": 2.0,
+             "throughput/tokens_per_s": 100.0, "response_length/mean": 3.0, "optim/lr": 1e-4,
+             "optim/loss_scale": 65536.0} for i, (r, k) in enumerate(zip(rewards, k3))]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_summary_by_hand(tmp_path):
+    rewards = [0.5, 0.6, 0.9, 1.0, 1.0, 1.0, 0.9, 1.0]
+    _write_run(tmp_path / "a", rewards, [1e-6] * 4 + [3e-6] * 4, skipped=1)
+    s = summarize(tmp_path / "a")
+    assert s["arm"] == "fp16/grpo" and s["steps"] == 8
+    assert s["initial_accuracy"] == pytest.approx(sum(rewards[:5]) / 5)
+    assert s["final_accuracy"] == pytest.approx(sum(rewards[-5:]) / 5)
+    # 5-step moving averages: step 5 = 0.8, 6 = 0.9, 7 = 0.96 -> first >= 0.95 at step 7
+    assert s["steps_to_95"] == 7
+    assert s["k3_mean"] == pytest.approx(2e-6) and s["k3_final"] == pytest.approx((1e-6 + 4 * 3e-6) / 5)
+    assert s["skipped_steps"] == 1 and s["wall_s"] == pytest.approx(16.0)
+    table = markdown_table([s])
+    assert "| fp16/grpo | 8 |" in table and "| 7 |" in table
+
+
+def test_report_cli_overlays_runs(tmp_path):
+    _write_run(tmp_path / "a", [0.5] * 6, [1e-6] * 6)
+    _write_run(tmp_path / "b", [0.4] * 6, [1e-4] * 6)
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    # both runs are fp16/grpo: the table names them by directory instead
+    assert "| a |" in md and "| b |" in md and "plots/training_curves.png" in md
+    assert (tmp_path / "rep" / "plots" / "training_curves.png").stat().st_size > 10_000
+    assert main(["report", str(tmp_path / "nope")]) == 2
+
+
+def test_sanity_end_to_end_small(tmp_path):
+    out = tmp_path / "s"
+    args = ["sanity", "--out", str(out), "--precisions", "fp32,fp16", "--k", "4", "--max-prompts", "8",
+            "--set", "sft.steps=60", "--set", "sft.batch_size=32", "--set", "train.steps=3",
+            "--set", "train.prompts_per_step=4", "--set", "rollout.n=4", "--set", "checkpoint.every=0"]
+    args += [x for kv in TASK for x in ("--set", kv)]
+    assert main(args) == 0
+    assert (out / "sft" / "model" / "config.json").exists()
+    assert 1 <= len((out / "perfectible.jsonl").read_text().splitlines()) <= 8
+    report = json.loads((out / "report.json").read_text())["arms"]
+    assert [a["arm"] for a in report] == ["fp32/grpo", "fp16/grpo"]
+    assert all(a["steps"] == 3 for a in report)
+    k3 = {a["arm"]: a["k3_mean"] for a in report}
+    assert k3["fp16/grpo"] > k3["fp32/grpo"]
+    assert "| fp16/grpo |" in (out / "report.md").read_text()
+    # a rerun reuses the SFT model and the set, and finds the arms finished
+    before = (out / "perfectible.jsonl").read_text()
+    assert main(args) == 0
+    assert (out / "perfectible.jsonl").read_text() == before

@@ -1,0 +1,130 @@
+"""``unison report RUN_DIR...``: overlaid curves and a comparison table of runs.
+
+Per run: final training accuracy (mean reward of the last 5 steps), steps to
+95% (first step where the 5-step moving average of the reward reaches 0.95),
+mean and final token k3 and mean |π − μ|, skipped steps, wall time and tokens/s.
+Writes ``report.md`` with the table and the PNGs it links.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import yaml
+
+from unison.errors import UnisonError
+
+WINDOW = 5
+
+
+def _mean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
+    d = Path(run_dir)
+    if not (d / "metrics.jsonl").exists():
+        raise UnisonError(f"'{d}' is not a run directory (no metrics.jsonl): pass directories "
+                          f"written by unison train or unison sanity")
+    cfg = yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").exists() else {}
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return cfg, rows
+
+
+def arm_label(cfg: dict, run_dir: Path) -> str:
+    if cfg.get("precision") and cfg.get("algo"):
+        return f"{cfg['precision']}/{cfg['algo']}"
+    return run_dir.name
+
+
+def summarize(run_dir: str | Path) -> dict:
+    d = Path(run_dir)
+    cfg, rows = load_run(d)
+    rewards = [r.get("reward/mean") for r in rows]
+    steps_to_95 = None
+    for i in range(len(rows)):
+        win = [x for x in rewards[max(0, i - WINDOW + 1):i + 1] if isinstance(x, (int, float))]
+        if i + 1 >= WINDOW and win and sum(win) / len(win) >= 0.95:
+            steps_to_95 = rows[i]["step"]
+            break
+    last = rows[-WINDOW:]
+    return {
+        "run": str(d), "arm": arm_label(cfg, d), "steps": rows[-1]["step"] if rows else 0,
+        "initial_accuracy": _mean(rewards[:WINDOW]),
+        "final_accuracy": _mean([r.get("reward/mean") for r in last]),
+        "steps_to_95": steps_to_95,
+        "k3_mean": _mean([r.get("mismatch/k3") for r in rows]),
+        "k3_final": _mean([r.get("mismatch/k3") for r in last]),
+        "prob_diff_mean": _mean([r.get("mismatch/prob_diff_mean") for r in rows]),
+        "prob_diff_max": max((r.get("mismatch/prob_diff_max") or 0.0 for r in rows), default=None),
+        "skipped_steps": rows[-1].get("optim/skipped_steps", 0) if rows else 0,
+        "wall_s": sum(r.get("time/step_s") or 0.0 for r in rows),
+        "tokens_per_s": _mean([r.get("throughput/tokens_per_s") for r in rows]),
+    }
+
+
+COLUMNS = [("arm", "arm", "{}"), ("steps", "steps", "{}"), ("initial acc", "initial_accuracy", "{:.3f}"),
+           ("final train acc", "final_accuracy", "{:.3f}"), ("steps to 95%", "steps_to_95", "{}"),
+           ("mean k3", "k3_mean", "{:.2e}"), ("final k3", "k3_final", "{:.2e}"),
+           ("mean abs(π−μ)", "prob_diff_mean", "{:.2e}"), ("skipped", "skipped_steps", "{}"),
+           ("wall s", "wall_s", "{:.0f}"), ("tok/s", "tokens_per_s", "{:.0f}")]
+
+
+def _cell(value, fmt):
+    if value is None:
+        return "–"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown_table(summaries: list[dict]) -> str:
+    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
+    sep = "| " + " | ".join("---" for _ in COLUMNS) + " |"
+    body = ["| " + " | ".join(_cell(s[k], f) for _, k, f in COLUMNS) + " |" for s in summaries]
+    return "\n".join([head, sep, *body])
+
+
+def rich_table(summaries: list[dict]):
+    from rich.table import Table
+
+    t = Table(title="sanity test: one row per arm")
+    for name, _, _ in COLUMNS:
+        t.add_column(name, justify="left" if name == "arm" else "right")
+    for s in summaries:
+        t.add_row(*[_cell(s[k], f) for _, k, f in COLUMNS])
+    return t
+
+
+def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", notes: str = "") -> Path:
+    from unison.plots import run_plots
+
+    run_dirs = [Path(d) for d in run_dirs]
+    if not run_dirs:
+        raise UnisonError("no run directory given: pass one or more RUN_DIRs")
+    summaries = [summarize(d) for d in run_dirs]  # validates every dir first
+    if len({s["arm"] for s in summaries}) < len(summaries):  # same precision/algo: name by directory
+        for s, d in zip(summaries, run_dirs):
+            s["arm"] = d.name
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    labels = [s["arm"] for s in summaries]
+    plots = run_plots(run_dirs, out_dir / "plots", labels=labels)
+    from unison.probe import atomic_write_text
+
+    lines = [f"# {title}", "", notes, "", markdown_table(summaries), "",
+             "Final train acc: mean training reward over the last 5 steps. Steps to 95%: first step "
+             "where the 5-step moving average of the training reward reaches 0.95. k3 and abs(π−μ): "
+             "mismatch between the rollout engine (μ) and the learner (π) on the sampled tokens.", ""]
+    for p in plots:
+        lines.append(f"![{p.stem}]({os.path.relpath(p, out_dir)})")
+    lines.append("")
+    lines.append("Runs: " + ", ".join(f"`{s['run']}`" for s in summaries))
+    atomic_write_text(out_dir / "report.md", "\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "report.json", json.dumps({"arms": summaries}, indent=2) + "\n")
+    return out_dir / "report.md"
