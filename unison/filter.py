@@ -57,9 +57,9 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
                max_prompts: int | None = None, log=print) -> dict:
     """Sample ``k`` responses per training prompt of ``cfg.task`` with ``cfg.model``; write
     the prompts whose pass rate is in ``band`` as JSONL (``prompt``, ``answer``, ``pass_rate``)."""
+    from unison.data_io import atomic_write_text
     from unison.models import load_tokenizer, resolve_model_dir
     from unison.precision import Precision
-    from unison.probe import atomic_write_text
     from unison.rollout import make_engine
     from unison.tasks import make_reward, make_task
 
@@ -69,7 +69,8 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
     task = make_task(cfg.task)
     reward = make_reward(task, cfg.task)
     prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
-    engine = make_engine(cfg.engine, model_dir, prec.rollout_dtype, device=cfg.device)
+    engine = make_engine(cfg.engine, model_dir, prec.rollout_dtype, device=cfg.device, seed=cfg.seed,
+                         **cfg.vllm.model_dump())
     tokenizer = load_tokenizer(model_dir)
     torch.manual_seed(cfg.seed)
     log(f"[filter] sampling {k} responses for each of {len(task.train)} prompts")

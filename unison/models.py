@@ -205,3 +205,23 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
         raise UnisonError(f"cannot load weights from '{model_dir}' ({e}): check the directory "
                           f"holds model.safetensors or pytorch_model.bin") from e
     return model.to(device).eval()
+
+
+def save_model_dir(model, tokenizer, final: Path) -> Path:
+    """``save_pretrained`` into a temporary sibling, then rename over ``final``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if final.exists():
+            old = final.with_name(f".{final.name}-old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -9,24 +9,20 @@ sequence log-ratio and its fitted slope against response length.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 from unison.batch import collate
-from unison.data_io import read_jsonl
+from unison.data_io import atomic_write_text, read_jsonl
 from unison.errors import UnisonError
 from unison.learner import Learner
 from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
 from unison.models import load_tokenizer, resolve_model_dir
 from unison.precision import Precision, parse_precision
-from unison.rollout import SamplingParams, make_engine, parse_engine
+from unison.rollout import SamplingParams, check_engine_available, make_engine, parse_engine
 
 
 @dataclass
@@ -72,6 +68,8 @@ def validate(cfg: ProbeConfig) -> tuple[Path, list[str], list[str], list[str]]:
     """Check every input before anything runs or is written."""
     precisions = [parse_precision(p) for p in cfg.precisions]
     engines = [parse_engine(e) for e in cfg.engines]
+    for e in engines:
+        check_engine_available(e)
     if not precisions:
         raise UnisonError("--precision is empty: name at least one of fp32, bf16, fp16")
     if cfg.n < 1 or cfg.max_new_tokens < 1:
@@ -101,7 +99,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             prec = Precision.resolve(prec_name)
             label = f"{engine_name}/{prec.label}"
             log(f"[probe] {label}: loading engine ({prec.rollout})")
-            engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device)
+            engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
+                                 seed=cfg.seed)
             log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
                 f"(max {cfg.max_new_tokens} new tokens)")
             t0 = time.perf_counter()
@@ -148,22 +147,6 @@ def write_outputs(out: dict, out_dir: Path) -> list[Path]:
     written = [atomic_write_text(out_dir / "probe.json", json.dumps(payload, indent=2) + "\n")]
     written += probe_plots(out["results"], out["samples"], out_dir / "plots")
     return written
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary file and rename: never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def ratio(a: float, b: float) -> float | None:

@@ -115,7 +115,7 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [s["arm"] for s in summaries]
     plots = run_plots(run_dirs, out_dir / "plots", labels=labels)
-    from unison.probe import atomic_write_text
+    from unison.data_io import atomic_write_text
 
     lines = [f"# {title}", "", notes, "", markdown_table(summaries), "",
              "Final train acc: mean training reward over the last 5 steps. Steps to 95%: first step "

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from unison.config import Config, load_config
+from unison.config import Config, config_from_dict, load_config, merge, read_yaml
 from unison.errors import UnisonError
 
 #: The built-in sanity recipe (CPU, built-in tiny model, 2-digit addition). Every
@@ -34,37 +34,9 @@ DEFAULTS = [
 
 def sanity_config(path: str | None, overrides: list[str]) -> Config:
     """Built-in defaults, then the YAML file (if any), then ``--set`` overrides."""
-    if path is None:
-        return load_config(None, DEFAULTS + list(overrides))
-    import yaml
-
-    from unison.config import _check_keys
-
     base = load_config(None, DEFAULTS).model_dump(mode="json")
-    user = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
-    if user is None:
-        return load_config(path, overrides)  # gives the missing/invalid-file error
-    _check_keys(user, Config)
-    merged = _merge(base, user)
-    tmp = [f"{k}={v}" for k, v in _flatten(merged)]
-    return load_config(None, tmp + list(overrides))
-
-
-def _merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _flatten(d: dict, prefix: str = ""):
-    import json
-
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, f"{prefix}{k}.")
-        elif v is not None:
-            yield f"{prefix}{k}", json.dumps(list(v)) if isinstance(v, (list, tuple)) else v
+    user = read_yaml(path) if path is not None else {}
+    return config_from_dict(merge(base, user), overrides)
 
 
 def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[str], k: int = 8,
@@ -107,8 +79,8 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
         name = f"{prec}-{algo}"
         run_dir = out / "arms" / name
         arm_dirs.append(run_dir)
-        arm_cfg = load_config(None, [f"{k_}={v}" for k_, v in _flatten(rl_base.model_dump(mode="json"))]
-                              + [f"precision={prec}", f"algo={algo}", f"task.path={perf}"])
+        arm_cfg = config_from_dict(merge(rl_base.model_dump(mode="json"),
+                                         {"precision": prec, "algo": algo, "task": {"path": str(perf)}}))
         log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} ({cfg.train.steps} steps)")
         trainer = Trainer(arm_cfg, run_dir, resume=run_dir.exists(), log=log)
         t_arm, start = time.perf_counter(), trainer.step

@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from unison.learner import token_logprobs
-from unison.models import load_model, load_tokenizer, resolve_model_dir
+from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir
 from unison.rollout import SamplingParams, make_engine
 from unison.tasks import make_reward, make_task
 
@@ -92,7 +90,8 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
             log(f"[sft] step {step + 1}/{s.steps} loss {loss.item():.4f} lr {lr:.2e} "
                 f"({time.perf_counter() - t0:.0f}s)")
     model.eval()
-    engine = make_engine(cfg.engine, model_dir, torch.float32, device=cfg.device)
+    # the warm start is judged with the built-in sampler whatever the RL engine (no vLLM start-up)
+    engine = make_engine("native", model_dir, torch.float32, device=cfg.device)
     engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
     mnt = cfg.rollout.max_new_tokens
     acc_t = evaluate(engine, task, reward, task.eval, tokenizer, cfg.rollout.temperature, mnt, cfg.seed)
@@ -106,23 +105,3 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
     save_model_dir(model, tokenizer, out_dir / "model")
     (out_dir / "sft.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def save_model_dir(model, tokenizer, final: Path) -> Path:
-    """``save_pretrained`` into a temporary sibling, then rename over ``final``."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}-old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

