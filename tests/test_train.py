@@ -187,3 +187,15 @@ def test_grad_noise_and_surge_schedule_in_the_loop(tmp_path, monkeypatch):
     # one micro-batch per optimizer step: no estimate, no crash
     _, run1 = _run(tmp_path, "gn1", ["train.micro_batch_size=64"], 1)
     assert "grad_noise/noise_scale" not in read_metrics(run1 / "metrics.jsonl")[0]
+
+
+def test_grad_noise_terms_are_unscaled_in_fp16(tmp_path, monkeypatch):
+    (tmp_path / "char_reward.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, run = _run(tmp_path, "fp16", ["precision=fp16", "train.micro_batch_size=2", "task.reward=char_reward:reward",
+                                    "task.truncated_reward=null"], 1)
+    r = read_metrics(run / "metrics.jsonl")[0]
+    assert r["optim/loss_scale"] == 2.0**16
+    # micro-batch norms are measured on scaled gradients; forgetting to unscale would make
+    # small_sq ~4e9 times big_sq
+    assert 1.0 < r["grad_noise/small_sq"] / r["grad_noise/big_sq"] < 100.0

@@ -333,6 +333,7 @@ class Trainer:
                 ent_sum += float((ent * m).sum())
                 if mb_i == 0:
                     first["logp"][start:start + len(rows)] = logp.detach().float().cpu()
+            scale_used = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
             self.scaler.unscale_(self.opt)
             gn = float(torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip))
             finite = math.isfinite(gn) and math.isfinite(loss_total)
@@ -348,9 +349,9 @@ class Trainer:
                 n_opt += 1
                 if track and len(micro_sq) > 1:
                     big_units = sum(micro_units)
-                    scale2 = float(self.scaler.get_scale()) ** 2 if self.scaler.is_enabled() else 1.0
-                    # micro share c_k = (B_k/B)·g_k  ->  |g_k|² = |c_k|²·(B/B_k)²
-                    small = [float(sq) / scale2 * (big_units / u) ** 2 for sq, u in zip(micro_sq, micro_units)]
+                    # micro shares were measured scaled (fp16); c_k = (B_k/B)·g_k -> |g_k|² = |c_k|²·(B/B_k)²
+                    small = [float(sq) / scale_used**2 * (big_units / u) ** 2
+                             for sq, u in zip(micro_sq, micro_units)]
                     pre_clip_sq = gn ** 2
                     noise_terms.append(noise_scale_terms(sum(small) / len(small),
                                                          big_units / len(small), pre_clip_sq, big_units))

@@ -38,6 +38,7 @@ class NativeEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.config = self.model.config
         self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self._fused = [self._fuse(layer) for layer in self.model.model.layers]
         self._params = dict(self.model.named_parameters())
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -46,6 +47,26 @@ class NativeEngine:
         self.pad_id = int(self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------ weights
+    @staticmethod
+    def _fuse(layer):
+        """Put q/k/v (and gate/up) weights into one tensor per layer and make the modules'
+        parameters views of it: one matmul computes all of them, and ``load_weights``
+        still writes through the original names. No extra memory."""
+
+        def join(linears):
+            w = torch.cat([lin.weight.detach() for lin in linears])
+            for lin, view in zip(linears, w.split([lin.out_features for lin in linears])):
+                lin.weight = torch.nn.Parameter(view, requires_grad=False)
+            b = None
+            if linears[0].bias is not None:
+                b = torch.cat([lin.bias.detach() for lin in linears])
+                for lin, view in zip(linears, b.split([lin.out_features for lin in linears])):
+                    lin.bias = torch.nn.Parameter(view, requires_grad=False)
+            return w, b, [lin.out_features for lin in linears]
+
+        a, mlp = layer.self_attn, layer.mlp
+        return join([a.q_proj, a.k_proj, a.v_proj]), join([mlp.gate_proj, mlp.up_proj])
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy weights (any dtype) into the engine, cast to its dtype. Returns how many."""
@@ -171,12 +192,13 @@ class NativeEngine:
         cos, sin = core.rotary_emb(h, pos)
         b, s = ids.shape
         end = start + s
-        for layer, (kc, vc) in zip(core.layers, cache):
-            attn = layer.self_attn
+        for layer, (kc, vc), ((qkv_w, qkv_b, qkv_n), (gu_w, gu_b, gu_n)) in zip(core.layers, cache, self._fused):
+            attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(b, s, -1, attn.head_dim)
-            k = attn.k_proj(x).view(b, s, -1, attn.head_dim)
-            v = attn.v_proj(x).view(b, s, -1, attn.head_dim).transpose(1, 2)
+            q, k, v = F.linear(x, qkv_w, qkv_b).split(qkv_n, dim=-1)
+            q = q.view(b, s, -1, attn.head_dim)
+            k = k.view(b, s, -1, attn.head_dim)
+            v = v.view(b, s, -1, attn.head_dim).transpose(1, 2)
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -185,6 +207,7 @@ class NativeEngine:
             o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
                                                scale=attn.scaling, enable_gqa=True)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            gate, up = F.linear(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         h = core.norm(h[:, -1])
         return self.model.lm_head(h)

@@ -59,6 +59,8 @@ class VLLMEngine:
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep unison's own progress readable
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays ours (tables, JSON)
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
