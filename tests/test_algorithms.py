@@ -105,6 +105,8 @@ def test_ppo_clip_by_hand_with_gradient():
     assert per_tok[0, 1].item() == pytest.approx(-1.2)
     assert per_tok[0, 2].item() == pytest.approx(-2.0 * math.exp(-0.1), rel=1e-6)
     assert m["policy/clip_fraction"] == pytest.approx(0.5)
+    # k3 of the PPO ratio, mean over the two tokens: (e^0.5 − 1.5 + e^−0.1 − 0.9) / 2
+    assert m["policy/ppo_kl"] == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.1) - 0.9) / 2, rel=1e-6)
     per_tok.sum().backward()
     assert logp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -2.0 * math.exp(-0.1)], rel=1e-6)
 
@@ -119,6 +121,7 @@ def test_gspo_by_hand_value_and_gradient():
     per_tok, m = LOSSES["gspo"](logp, old, old, torch.tensor([1.0]), w, mask, clip=3e-4, clip_high=4e-4)
     loss = aggregate(per_tok, "seq_mean_token_mean", mask, 2, 1, 8)
     assert loss.item() == pytest.approx(-(1 + 4e-4), rel=1e-6) and m["policy/clip_fraction"] == 1.0
+    assert m["policy/seq_ratio_mean"] == pytest.approx(s, rel=1e-6)
     loss.backward()
     assert logp.grad.abs().sum().item() == 0.0
     # A = −1: the unclipped branch is the min: value +s, d/dlogp_t = s / T (T = 2)

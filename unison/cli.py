@@ -164,6 +164,7 @@ def cmd_sanity(args) -> int:
 
     from unison.filter import parse_band
     from unison.probe import ratio
+    from unison.report import rich_table
     from unison.sanity import run_sanity, sanity_config
 
     band = parse_band(args.band)
@@ -171,7 +172,7 @@ def cmd_sanity(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
-    summaries, report, rich_table = run_sanity(cfg, out, _csv(args.precisions), _csv(args.algorithms),
+    summaries, report = run_sanity(cfg, out, _csv(args.precisions), _csv(args.algorithms),
                                                k=args.k, band=band, max_prompts=args.max_prompts)
     console = Console(width=max(Console().width, 140))
     console.print(rich_table(summaries))

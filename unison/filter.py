@@ -46,9 +46,8 @@ def pass_rates(engine, task, reward, items, tokenizer, k: int, temperature: floa
         comps = engine.generate([task.encode(tokenizer, it) for it in part],
                                 SamplingParams(**{**params.__dict__, "seed": seed + s}))
         wins = [0.0] * len(part)
-        for c in comps:
-            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            wins[c.prompt_index] += reward(text, part[c.prompt_index], c.finish_reason == "length")
+        for c, r in zip(comps, reward.score_completions(comps, part, tokenizer)):
+            wins[c.prompt_index] += r
         rates += [w / k for w in wins]
     return rates
 

@@ -44,7 +44,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     from unison.algorithms.presets import PRESETS
     from unison.filter import run_filter
     from unison.precision import parse_precision
-    from unison.report import rich_table, summarize, write_report
+    from unison.report import summarize, write_report
     from unison.sft import run_sft
     from unison.trainer import Trainer
 
@@ -100,7 +100,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     log(f"[sanity] 4/4 report ({done_steps}/{total_steps} steps in {_fmt_s(time.perf_counter() - t_all)})")
     report = write_report(arm_dirs, out, title="unison sanity test",
                           notes=_notes(cfg, precisions, algorithms, perf))
-    return [summarize(d) for d in arm_dirs], report, rich_table
+    return [summarize(d) for d in arm_dirs], report
 
 
 def _notes(cfg, precisions, algorithms, perf) -> str:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
+from unison.filter import pass_rates
 from unison.learner import token_logprobs
 from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir
-from unison.rollout import SamplingParams, make_engine
+from unison.rollout import make_engine
 from unison.tasks import make_reward, make_task
 
 
@@ -50,14 +51,8 @@ def evaluate(engine, task, reward, items, tokenizer, temperature: float, max_new
     """Fraction of ``items`` answered correctly (one sample each; temperature 0 = greedy)."""
     if not items:
         return float("nan")
-    prompts = [task.encode(tokenizer, it) for it in items]
-    comps = engine.generate(prompts, SamplingParams(n=1, temperature=temperature,
-                                                    max_tokens=max_new_tokens, seed=seed))
-    total = 0.0
-    for c in comps:
-        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        total += reward(text, items[c.prompt_index], c.finish_reason == "length")
-    return total / len(items)
+    rates = pass_rates(engine, task, reward, items, tokenizer, 1, temperature, max_new_tokens, seed)
+    return sum(rates) / len(rates)
 
 
 def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:

@@ -187,11 +187,7 @@ class Trainer:
         while True:
             idx = self.sampler.next(cfg.train.prompts_per_step)
             comps = self.engine.generate([self.prompt_ids[i] for i in idx], params)
-            rw = []
-            for c in comps:
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                rw.append(self.reward(text, self.task.train[idx[c.prompt_index]],
-                                      c.finish_reason == "length"))
+            rw = self.reward.score_completions(comps, [self.task.train[i] for i in idx], self.tokenizer)
             for c in comps:  # group id = prompt index, unique across oversampling rounds
                 c.prompt_index = c.prompt_index + rounds * cfg.train.prompts_per_step
             if cfg.train.drop_uniform_groups:

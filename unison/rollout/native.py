@@ -129,11 +129,11 @@ class NativeEngine:
             out_logp[active, t] = lp
             lengths[active.cpu()] = t + 1
             done = torch.isin(tok, eos)
+            for b in active[done].tolist():
+                finish[b] = "stop"
             if t == T - 1:
                 break
             if bool(done.any()):
-                for b in active[done].tolist():
-                    finish[b] = "stop"
                 keep = ~done
                 if not bool(keep.any()):
                     break
@@ -144,13 +144,6 @@ class NativeEngine:
             logits = self._forward(tok[:, None], next_pos[:, None], cache, start=P + t,
                                    mask=key_ok[:, None, None, :P + t + 1])
             next_pos = next_pos + 1
-        else:  # pragma: no cover - loop always breaks at t == T - 1
-            pass
-        # the last sampled token may be EOS
-        if T > 0:
-            last = torch.isin(out_tokens[active, T - 1], eos) & (lengths[active.cpu()] == T).to(dev)
-            for b in active[last].tolist():
-                finish[b] = "stop"
 
         toks, lps = out_tokens.cpu(), out_logp.cpu()
         return [

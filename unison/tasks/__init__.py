@@ -62,6 +62,12 @@ class RewardFn:
             self.errors += 1
             return 0.0
 
+    def score_completions(self, completions, items: list[Item], tokenizer) -> list[float]:
+        """Reward of each completion against ``items[c.prompt_index]`` (text decoded
+        without special tokens; finished by max tokens counts as truncated)."""
+        return [self(tokenizer.decode(c.token_ids, skip_special_tokens=True), items[c.prompt_index],
+                     c.finish_reason == "length") for c in completions]
+
 
 def load_callable(spec: str) -> Callable:
     """``module:function`` -> the function (UnisonError naming what is missing)."""
