@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install install-vllm demo probe test test-slow test-vllm bench clean
+.PHONY: install install-vllm demo probe test test-slow test-vllm test-distributed bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,9 @@ probe: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-distributed: install
+	$(PY) -m pytest -q -m distributed
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

@@ -137,9 +137,19 @@ def test_token_logprobs_alignment_temperature_and_entropy_by_hand():
 
     from unison.learner import token_logprobs
 
-    # position t predicts token t+1; vocab of 3; fixed logits per position
+    # position t predicts token t+1; vocab of 3; fixed logits per position (an identity output layer)
     logits = torch.tensor([[[0.0, 0.0, 0.0], [2.0, 0.0, 0.0], [9.0, 9.0, 9.0]]])
-    model = lambda input_ids, attention_mask, use_cache: SimpleNamespace(logits=logits)  # noqa: E731
+
+    class Fake(torch.nn.Module):
+        config = SimpleNamespace()
+
+        def base_model(self, input_ids, attention_mask, use_cache):
+            return SimpleNamespace(last_hidden_state=logits)
+
+        def get_output_embeddings(self):
+            return torch.nn.Identity()
+
+    model = Fake()
     tokens = torch.tensor([[1, 2, 0]])
     logp, ent = token_logprobs(model, tokens, torch.tensor([[1, 1, 1]]), temperature=2.0, return_entropy=True)
     # t=1: uniform -> log 1/3; t=2: logits/2 = [1, 0, 0], token 0 -> 1 − log(e + 2)

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from unison.errors import UnisonError
-from unison.rollout.base import SamplingParams, _truncate, sample_tokens
+from unison.rollout.base import SamplingParams, _truncate, row_seeds, row_uniforms, sample_tokens
 
 
 def test_reported_logprob_is_that_of_the_temperature_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     params = SamplingParams(temperature=0.5)
-    tok, lp = sample_tokens(logits, params, torch.Generator().manual_seed(0))
+    tok, lp = sample_tokens(logits, params, torch.tensor([7]), 0)
     expected = torch.log_softmax(logits / 0.5, -1)[0, tok]
     assert lp.item() == pytest.approx(expected.item(), rel=1e-6)
 
@@ -29,14 +29,14 @@ def test_top_k_and_top_p_renormalise_the_support():
 
 def test_sampling_frequencies_follow_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(20000, 1)
-    tok, _ = sample_tokens(logits, SamplingParams(), torch.Generator().manual_seed(1))
+    tok, _ = sample_tokens(logits, SamplingParams(), torch.arange(20000), 3)
     freq = torch.bincount(tok, minlength=3).float() / tok.numel()
     assert freq.tolist() == pytest.approx([0.7, 0.2, 0.1], abs=0.015)
 
 
 def test_greedy_reports_point_mass():
     tok, lp = sample_tokens(torch.tensor([[0.1, 3.0, 0.2]]), SamplingParams(temperature=0),
-                            torch.Generator())
+                            torch.tensor([0]), 0)
     assert tok.item() == 1 and lp.item() == 0.0
     assert math.isfinite(lp.item())
 
@@ -46,3 +46,24 @@ def test_greedy_reports_point_mass():
 def test_bad_sampling_params_are_user_errors(kwargs):
     with pytest.raises(UnisonError):
         SamplingParams(**kwargs)
+
+
+def test_row_uniforms_are_uniform_and_independent_of_the_batch():
+    seeds = torch.tensor(row_seeds(SamplingParams(n=4, seed=11), 5000))
+    u = row_uniforms(seeds, 0)
+    assert u.min() > 0 and u.max() < 1 and seeds.unique().numel() == seeds.numel()
+    hist = torch.histc(u.float(), bins=10, min=0, max=1) / u.numel()
+    assert hist.tolist() == pytest.approx([0.1] * 10, abs=0.01)
+    assert abs(torch.corrcoef(torch.stack([u, row_uniforms(seeds, 1)]))[0, 1]) < 0.03  # steps decorrelated
+    # a row's draw is the same alone, in a batch, or in a permuted batch
+    perm = torch.randperm(seeds.numel())
+    assert torch.equal(row_uniforms(seeds[perm], 5), row_uniforms(seeds, 5)[perm])
+    assert torch.equal(row_uniforms(seeds[3:4], 5), row_uniforms(seeds, 5)[3:4])
+
+
+def test_prompt_seeds_make_a_prompts_rows_independent_of_its_neighbours():
+    a = row_seeds(SamplingParams(n=2, prompt_seeds=(5, 6, 7)), 3)
+    b = row_seeds(SamplingParams(n=2, prompt_seeds=(6,)), 1)
+    assert a[2:4] == b and len(set(a)) == 6
+    with pytest.raises(UnisonError, match="prompt seeds"):
+        row_seeds(SamplingParams(n=2, prompt_seeds=(1, 2)), 3)

@@ -134,8 +134,9 @@ def test_dapo_drops_uniform_groups_and_counts_them(tmp_path):
     cfg = load_config(None, BASE + ["train.steps=1", "train.drop_uniform_groups=true",
                                     "train.oversample_rounds=1"])
     t = Trainer(cfg, tmp_path / "r")
-    comps, rewards, dropped = t.rollout(0)
-    assert (comps, rewards, dropped) == ([], [], 8)
+    comps, rewards, info = t.rollout(0)
+    assert (comps, rewards, info["dropped"], info["rounds"]) == ([], [], 8, 2)
+    assert info["sampled_rewards"] == [0.0] * 32  # everything sampled is still accounted for
     assert t.sampler.pos == 8
     m = t.train_step()  # a step with nothing left makes no update and says so
     assert m["data/dropped_groups"] == 8 and t.step == 1

@@ -78,10 +78,13 @@ def cmd_train(args) -> int:
     from unison.config import load_config
     from unison.trainer import Trainer
 
+    from unison.distributed import current
+
     cfg = load_config(args.config, args.set)
     summary = Trainer(cfg, args.out, resume=args.resume).fit()
-    print(f"done: {summary['steps']} steps, reward {summary['reward_first']} -> "
-          f"{summary['reward_last']} (last-5 mean {summary['reward_last5_mean']}); run in {args.out}")
+    if current().is_main:
+        print(f"done: {summary['steps']} steps, reward {summary['reward_first']} -> "
+              f"{summary['reward_last']} (last-5 mean {summary['reward_last5_mean']}); run in {args.out}")
     return 0
 
 
@@ -231,20 +234,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank_tag() -> str:
+    """The " (rank N)" tag of a process of a torchrun job; "" for one process."""
+    import os
+
+    return f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ \
+        and os.environ["WORLD_SIZE"] != "1" else ""
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - exercised through torchrun in tests
+    raise _Terminated()
+
+
+class _Terminated(Exception):
+    pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if _rank_tag():  # torchrun stops the other ranks with SIGTERM when one fails: say so, briefly
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
     except UnisonError as e:
-        print(f"unison: error: {e}", file=sys.stderr)
+        print(f"unison: error{_rank_tag()}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("unison: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"unison: stopped{_rank_tag()}: torchrun ended this rank because another rank failed "
+              f"(its error is above); fix it and continue with --resume", file=sys.stderr)
+        return 143
+    except Exception as e:
+        if _rank_tag() and _is_collective_failure(e):
+            print(f"unison: error{_rank_tag()}: lost the other ranks ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160] if str(e) else ''}): another rank died or stalled past "
+                  f"distributed.timeout_s; fix it and continue with --resume", file=sys.stderr)
+            return 1
+        raise
+
+
+def _is_collective_failure(e: Exception) -> bool:
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # pragma: no cover
+        return False
+    text = str(e).lower()
+    return isinstance(e, DistError) or any(w in text for w in ("gloo", "nccl", "connection closed",
+                                                                "connection reset", "timed out"))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -53,6 +53,11 @@ class TaskConfig(_Section):
     reward: str | None = None
     #: reward given to a response cut at max tokens (Paper A: 0)
     truncated_reward: float | None = 0.0
+    #: warn loudly when more than this fraction of a step's rewards raised (they score 0)
+    reward_error_warn: float = Field(0.1, ge=0, le=1)
+    #: stop the run (checkpoint intact) after this many consecutive steps in which every reward
+    #: raised (0 = never stop)
+    reward_error_patience: int = Field(3, ge=0)
 
 
 class RolloutConfig(_Section):
@@ -158,6 +163,12 @@ class TrainConfig(_Section):
     grad_noise: bool = True
     #: EMA coefficient of the noise-scale estimate
     grad_noise_ema: float = Field(0.1, gt=0, le=1)
+    #: positions per chunk of the output layer when computing log-probs (0 = all at once): the
+    #: [positions, vocab] logits never exist for more than this many positions at a time
+    logprob_chunk: int = Field(1024, ge=0)
+    #: with one mini-batch (one optimizer step per rollout, θ = θ_old), take log π_old and the
+    #: mismatch from the training forward instead of a separate score pass (one forward fewer)
+    fuse_score_pass: bool = True
 
 
 class VLLMConfig(_Section):
@@ -171,6 +182,18 @@ class VLLMConfig(_Section):
     enable_sleep_mode: bool = False
     #: context length vLLM reserves for (default: the model's)
     max_model_len: int | None = Field(None, ge=1)
+
+
+class DistributedConfig(_Section):
+    """``torchrun`` + FSDP2 (README, "Many GPUs"). Only meaningful under ``torchrun``: setting a
+    key in a single process is refused. ``None`` = the default named here."""
+
+    #: compute (default): parameters all-gathered in the learner's compute dtype
+    #: (MixedPrecisionPolicy, fp32 reduction; verl's and Paper A's setup) | fp32: fp32 parameters
+    #: under autocast, the numerics of one process
+    param_dtype: Literal["compute", "fp32"] | None = None
+    #: seconds any collective may wait before the job fails (a rank that died): default 600
+    timeout_s: float | None = Field(None, gt=0)
 
 
 class SFTConfig(_Section):
@@ -204,6 +227,9 @@ class LogConfig(_Section):
     wandb: bool = False
     #: print a line per step
     console: bool = True
+    #: write every trained-on completion (prompt and response text, token ids, reward, finish
+    #: reason, Σ log μ) to rollouts/step_NNNNNN.jsonl — for reading samples and offline analysis
+    rollouts: bool = False
 
 
 class Config(_Section):
@@ -231,6 +257,7 @@ class Config(_Section):
     scaler: ScalerConfig = ScalerConfig()
     sft: SFTConfig = SFTConfig()
     vllm: VLLMConfig = VLLMConfig()
+    distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
 

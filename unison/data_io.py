@@ -70,3 +70,30 @@ def atomic_write_text(path: Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``. A last line cut short (the expected trace of a
+    SIGKILL during a write) is dropped; a damaged line anywhere else is an error."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UnisonError(f"'{path}' is not UTF-8 text: restore it from a copy or delete it") from e
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break  # torn last line
+            raise UnisonError(f"{path}:{i + 1}: not valid JSON ({e.msg}): the file is damaged; "
+                              f"remove that line") from e
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise UnisonError(f"{path}:{i + 1}: not a metrics row (no integer \"step\"): remove that line")
+        rows.append(row)
+    return rows

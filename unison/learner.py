@@ -1,78 +1,505 @@
-"""The learner π: fp32 master weights, scoring under autocast, weight export.
+"""The learner π: fp32 master weights, the score pass, the update, weight export, its checkpoint.
 
 Scoring is one full forward pass over prompt + response (never the KV-cache
 path the rollout engine uses): the difference between the two is the
 training–inference mismatch.
+
+The learner owns everything about the update (DESIGN.md, "Scaling out"):
+the optimizer (AdamW on fp32 master weights), the loss scaler (fp16),
+gradient clipping on the global norm, skipped-step accounting, mini-batch
+steps with micro-batch gradient accumulation, and the gradient-noise hooks.
+One class serves one process and ``torchrun`` + FSDP2; the loop cannot tell
+which it has:
+
+* **one process**: parameters fp32, forward under ``torch.autocast`` in the
+  compute dtype;
+* **FSDP2** (under ``torchrun``): ``fully_shard`` per decoder layer + root,
+  every rank trains on its share of each mini-batch, normalisers are global
+  so the gradient equals the one-process gradient of the same batch.
+  ``distributed.param_dtype: compute`` (default) all-gathers parameters in the
+  compute dtype (``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``,
+  verl's and Paper A's setup); ``fp32`` keeps fp32 parameters under
+  autocast, the one-process numerics.
+
+Log-probabilities never materialise the whole ``[rows, positions, vocab]``
+logits: hidden states go through the output layer in chunks of positions
+(``train.logprob_chunk``), each giving ``logit − logsumexp`` and the entropy,
+and during training each chunk is recomputed in the backward pass
+(activation checkpointing) instead of being kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from unison.batch import RolloutBatch
+from unison.distributed import Dist, current, decoder_layers, full_tensor, local_tensor, shard
+from unison.errors import UnisonError
 from unison.models import load_model, load_tokenizer
-from unison.precision import autocast
+from unison.precision import Precision, autocast
+
+#: positions per chunk of the output layer (``train.logprob_chunk``'s default)
+DEFAULT_CHUNK = 1024
+
+
+# ----------------------------------------------------------------------------- log-probs
+def _logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a model does to ``lm_head``'s output before the softmax: Gemma's soft-capping
+    ``cap·tanh(z/cap)``, Cohere's ``logit_scale``, Granite's ``1/logits_scaling``."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    granite = getattr(config, "logits_scaling", None)
+    if cap:
+        return lambda z: torch.tanh(z / cap) * cap
+    if isinstance(scale, (int, float)) and scale != 1:
+        return lambda z: z * scale
+    if isinstance(granite, (int, float)) and granite != 1:
+        return lambda z: z / granite
+    return None
+
+
+def _head_logp(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float,
+               transform, want_entropy: bool):
+    """log p(target) and entropy for rows of hidden states ``h`` [N, d] (fp32 softmax)."""
+    logits = head(h).float()
+    if transform is not None:
+        logits = transform(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not want_entropy:
+        return logp, None
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, ent
+
+
+class PolicyForward(torch.nn.Module):
+    """The learner's forward: ``log π(tokens[:, t] | tokens[:, <t])`` at chosen positions.
+
+    Wraps the Hugging Face causal LM (``self.lm``) so that a sharded learner
+    enters the model through one root module (FSDP2 gathers the root's own
+    parameters, embedding and output layer, in its forward).
+    """
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self._transform = _logit_transform(lm.config)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor | None = None,
+                temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, return_entropy: bool = False,
+                cast_to: torch.dtype | None = None):
+        if cast_to is not None:  # run on parameters cast to ``cast_to`` (gradients reach the originals)
+            params = {n: p.to(cast_to) for n, p in self.named_parameters()}
+            return torch.func.functional_call(self, params, (tokens, attention_mask, positions, temperature,
+                                                             chunk, return_entropy))
+        B, L = tokens.shape
+        out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False)
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        sel = attention_mask[:, 1:].bool()
+        if positions is not None:
+            sel = sel & positions[:, 1:].bool()
+        hs, tg = h[:, :-1][sel], tokens[:, 1:][sel]
+        head = self.lm.get_output_embeddings()
+        lps, ents = [], []
+        step = chunk if chunk and chunk > 0 else max(hs.shape[0], 1)
+        for s in range(0, hs.shape[0], step):
+            args = (hs[s:s + step], tg[s:s + step], head, temperature, self._transform, return_entropy)
+            if torch.is_grad_enabled() and hs.requires_grad:
+                lp, en = checkpoint(_head_logp, *args, use_reentrant=False)
+            else:
+                lp, en = _head_logp(*args)
+            lps.append(lp)
+            ents.append(en)
+        vals = torch.cat(lps) if lps else hs.new_zeros(0, dtype=torch.float32)
+        logp = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device).masked_scatter(sel, vals)
+        logp = F.pad(logp, (1, 0))
+        if not return_entropy:
+            return logp, None
+        ent = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device)
+        if ents and ents[0] is not None:
+            ent = ent.masked_scatter(sel, torch.cat(ents))
+        return logp, F.pad(ent, (1, 0))
 
 
 def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, compute_dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", return_entropy: bool = False):
+                   device: str | torch.device = "cpu", return_entropy: bool = False,
+                   positions: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
+                   cast_to: torch.dtype | None = None):
     """log π(tokens[:, t] | tokens[:, <t]) for every position, aligned with ``tokens``.
 
-    Position 0 has no context and is set to 0; so are padding positions (mask
-    them with the response mask). The forward runs under autocast in
-    ``compute_dtype``; logits are cast to fp32 and divided by ``temperature``
-    before the log-softmax. Gradients flow when called outside ``no_grad``.
-    With ``return_entropy`` also returns the (detached) entropy of the
-    next-token distribution at each position, aligned the same way.
+    ``model`` is a Hugging Face causal LM or a :class:`PolicyForward`. Position
+    0 has no context and is 0; so are padding positions and, when
+    ``positions`` is given, every position it does not mark. The forward runs
+    under autocast in ``compute_dtype``; logits are cast to fp32 and divided by
+    ``temperature`` before the softmax; with ``cast_to`` the parameters are cast to that
+    dtype for the forward instead (as FSDP2's mixed precision does). Gradients flow when called outside
+    ``no_grad``. With ``return_entropy`` also returns the (detached) entropy
+    of the next-token distribution at each position, aligned the same way.
     """
-    tokens = tokens.to(device)
-    attention_mask = attention_mask.to(device)
+    fwd = model if isinstance(model, PolicyForward) else PolicyForward(model)
+    tokens, attention_mask = tokens.to(device), attention_mask.to(device)
+    if positions is not None:
+        positions = positions.to(device)
     with autocast(device, compute_dtype):
-        logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lsm = torch.log_softmax(logits, dim=-1)
-    logp = lsm.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
-    logp = logp * attention_mask.to(logp.dtype)
-    if not return_entropy:
-        return logp
-    with torch.no_grad():
-        ent = -(lsm.exp() * lsm).sum(-1)
-        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
-    return logp, ent
+        logp, ent = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to)
+    return (logp, ent) if return_entropy else logp
+
+
+# ----------------------------------------------------------------------------- the learner
+@dataclass
+class UpdateStats:
+    """What one ``Learner.train`` call did."""
+
+    metrics: dict[str, float]
+    #: optimizer steps taken (not skipped)
+    steps: int
+    #: optimizer steps skipped (non-finite gradients or loss)
+    skipped: int
+    #: log π at θ_old of the rows of the first mini-batch (exactly the score pass's quantity,
+    #: from the training forward); 0 on other rows
+    logp_first: torch.Tensor
+    first_rows: torch.Tensor
+    noise_terms: list[dict] = field(default_factory=list)
+
+
+class GradNoiseProbe:
+    """Micro-batch gradients for the McCandlish noise scale (``grad_noise/*``), measured as
+    differences of the accumulated gradient: ``after_micro_backward`` after each micro-batch's
+    backward, ``after_step`` once the mini-batch's gradient is complete (before clipping)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], dist: Dist):
+        self.params, self.dist = params, dist
+        self.prev: list[torch.Tensor] | None = None
+        self.sq: list[float] = []
+        self.units: list[float] = []
+
+    def begin(self) -> None:
+        self.prev = [torch.zeros_like(local_tensor(p)) for p in self.params]
+        self.sq, self.units = [], []
+
+    def after_micro_backward(self, units: float) -> None:
+        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(q)
+                 for p, q in zip(self.params, self.prev)]
+        diffs = torch._foreach_sub(grads, self.prev)
+        local = torch.stack(torch._foreach_norm(diffs)).double().pow(2).sum() if diffs else torch.zeros((), dtype=torch.float64)
+        self.sq.append(float(self.dist.all_reduce_(local.reshape(1), "sum")))
+        torch._foreach_copy_(self.prev, grads)
+        self.units.append(units)
+
+    def after_step(self, scale: float, pre_clip_norm: float) -> dict:
+        from unison.schedules import noise_scale_terms
+
+        self.prev = None
+        if len(self.sq) < 2 or not math.isfinite(pre_clip_norm):
+            return {}
+        big = sum(self.units)
+        # micro shares were measured scaled (fp16); c_k = (B_k/B)·g_k  ->  |g_k|² = |c_k|²·(B/B_k)²
+        small = [sq / scale**2 * (big / u) ** 2 for sq, u in zip(self.sq, self.units) if u > 0]
+        if len(small) < 2:
+            return {}
+        return noise_scale_terms(sum(small) / len(small), big / len(small), pre_clip_norm**2, big)
 
 
 class Learner:
-    """Holds the policy π in fp32 and scores rollouts under the learner's compute dtype."""
+    """Holds the policy π in fp32; scores rollouts; trains on them; exports weights.
+
+    Built for scoring only (``Learner(model_dir)``, as ``unison probe`` does) or
+    for training (:meth:`from_config`, with the optimizer and the loss).
+    """
 
     def __init__(self, model_dir: str | Path, compute_dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", temperature: float = 1.0):
+                 device: str = "cpu", temperature: float = 1.0, dist: Dist | None = None,
+                 param_dtype: str = "fp32", micro_batch_size: int = 16, logprob_chunk: int = DEFAULT_CHUNK):
         self.model_dir = Path(model_dir)
-        self.device = device
+        self.dist = dist or current()
+        self.device = self.dist.device if self.dist.enabled else torch.device(device)
         self.compute_dtype = compute_dtype
         self.temperature = temperature
-        self.model = load_model(self.model_dir, dtype=torch.float32, device=device)  # master weights
+        self.micro_batch_size = micro_batch_size
+        self.logprob_chunk = logprob_chunk
+        self.model = load_model(self.model_dir, dtype=torch.float32, device=str(self.device))  # masters
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.forward_module = PolicyForward(self.model)
+        self.sharded = self.dist.enabled
+        #: parameters cast to the compute dtype for the forward, no autocast (FSDP2's mixed precision
+        #: under torchrun; one process does the same cast itself). Else fp32 parameters under autocast.
+        self.cast_params = param_dtype == "compute" and compute_dtype != torch.float32
+        if self.sharded:
+            shard(self.forward_module, decoder_layers(self.model), self.dist,
+                  param_dtype=compute_dtype if self.cast_params else None)
+        self.opt = None
+        self.scaler = None
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def from_config(cls, cfg, model_dir: str | Path, dist: Dist | None = None) -> "Learner":
+        """A learner ready to train: the config's precision, optimizer, loss scaler and policy."""
+        from unison.algorithms.presets import resolve_policy
+        from unison.precision import make_grad_scaler
+
+        prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
+        t = cfg.train
+        self = cls(model_dir, compute_dtype=prec.learner_dtype, device=cfg.device,
+                   temperature=cfg.rollout.temperature, dist=dist,
+                   param_dtype=(cfg.distributed.param_dtype or "compute") if (dist or current()).enabled else "fp32",
+                   micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk)
+        self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
+        self.policy = resolve_policy(cfg.algo, cfg.policy)
+        self.params = [p for p in self.forward_module.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
+                                     weight_decay=t.weight_decay)
+        if self.sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device.type, init_scale=cfg.scaler.init_scale,
+                                            growth_interval=cfg.scaler.growth_interval,
+                                            enabled=prec.uses_loss_scaling)
+        else:
+            self.scaler = make_grad_scaler(prec, self.device, init_scale=cfg.scaler.init_scale,
+                                           growth_interval=cfg.scaler.growth_interval)
+        self.noise = GradNoiseProbe(self.params, self.dist) if t.grad_noise else None
+        return self
+
+    # ---------------------------------------------------------------- forward
+    def _forward(self, batch: RolloutBatch, rows: torch.Tensor, return_entropy: bool):
+        args = (batch.tokens[rows], batch.attention_mask[rows], self.temperature)
+        kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows], chunk=self.logprob_chunk)
+        if not self.cast_params:
+            return token_logprobs(self.forward_module, *args, self.compute_dtype, self.device, **kw)
+        if self.sharded:  # FSDP2 all-gathers the parameters in the compute dtype
+            return token_logprobs(self.forward_module, *args, torch.float32, self.device, **kw)
+        # one process: the same cast, differentiable back to the fp32 masters
+        return token_logprobs(self.forward_module, *args, torch.float32, self.device, cast_to=self.compute_dtype, **kw)
+
+    def _shares(self, rows: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Each rank's micro-batches of ``rows``: rank r takes rows[r::world], split into
+        ``micro_batch_size`` pieces. Every rank computes every rank's share (no communication)."""
+        ws, mbs = self.dist.world_size, self.micro_batch_size
+        return [list(rows[r::ws].split(mbs)) for r in range(ws)]
 
     @torch.no_grad()
-    def score(self, batch: RolloutBatch, micro_batch_size: int = 16) -> torch.Tensor:
-        """log π for every position of ``batch.tokens`` ([B, L], fp32, 0 off-response)."""
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """log π for every position of ``batch.tokens`` ([B, L], fp32, 0 off-response).
+
+        Collective when sharded: each rank scores its share, every rank gets the whole tensor.
+        """
         self.model.eval()
+        shares = self._shares(torch.arange(batch.size))
+        mine = shares[self.dist.rank]
+        n_fwd = max(len(s) for s in shares)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-        for s in range(0, batch.size, micro_batch_size):
-            sl = slice(s, s + micro_batch_size)
-            lp = token_logprobs(self.model, batch.tokens[sl], batch.attention_mask[sl],
-                                self.temperature, self.compute_dtype, self.device)
-            out[sl] = lp.float().cpu() * batch.response_mask[sl]
-        return out
+        for i in range(n_fwd):  # every rank runs the same number of forwards (FSDP collectives)
+            rows = mine[i] if i < len(mine) else torch.arange(1)
+            lp = self._forward(batch, rows, return_entropy=False)
+            if i < len(mine):
+                out[rows] = lp.float().cpu() * batch.response_mask[rows]
+        return self.dist.all_reduce_(out, "sum")  # each rank filled only its own rows
+
+    # ----------------------------------------------------------------- update
+    def train(self, batch: RolloutBatch, weights, lr: float, seed: int = 0) -> UpdateStats:
+        """``train.mini_batches`` optimizer steps on ``batch`` (collective when sharded).
+
+        ``weights``: the correction's per-token weights [B, L], or a function
+        ``(logp_old, logp_mu, mask) -> weights`` evaluated per micro-batch when
+        ``batch.logp_old`` is None — then log π_old is the detached training
+        forward itself (one optimizer step on fresh rollouts: θ = θ_old).
+        The rows are split into mini-batches by a permutation seeded with ``seed``;
+        every normaliser counts the whole mini-batch on every rank.
+        """
+        from unison.algorithms.losses import LOSSES, aggregate
+        from unison.algorithms.presets import loss_kwargs
+
+        if self.opt is None:
+            raise RuntimeError("this learner was built for scoring only: use Learner.from_config")
+        t, pol, ws, rank = self.train_cfg, self.policy, self.dist.world_size, self.dist.rank
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.model.eval()  # dropout off in every forward, as in the score pass (TRL: disable_dropout)
+        loss_fn, loss_kw = LOSSES[pol["loss"]], loss_kwargs(pol)
+        order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
+        minis = list(order.tensor_split(min(t.mini_batches, batch.size)))  # exactly that many, sizes ±1
+        per_token_units = pol["loss_agg"] == "token_mean"  # batch size in tokens, else in responses
+        sums: dict[str, float] = {"policy/loss": 0.0, "policy/entropy": 0.0}
+        maxes: dict[str, float] = {}
+        grad_norms, noise_terms, n_opt, skipped = [], [], 0, 0
+        first_rows = minis[0]
+        logp_first = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        for mb_i, mb in enumerate(minis):
+            n_tok, n_seq = int(batch.response_mask[mb].sum()), len(mb)
+            shares = self._shares(mb)
+            mine, n_micro = shares[rank], max(len(s) for s in shares)
+            track = self.noise is not None and n_micro > 1
+            self.opt.zero_grad(set_to_none=True)
+            if track:
+                self.noise.begin()
+            loss_sum, ent_sum = 0.0, 0.0
+            local: dict[str, float] = {}
+            for i in range(n_micro):
+                dummy = i >= len(mine)  # this rank has no rows left: a zero-weight forward keeps FSDP in step
+                rows = mb[:1] if dummy else mine[i]
+                m = batch.response_mask[rows].to(self.device)
+                logp, ent = self._forward(batch, rows, return_entropy=True)
+                mu = batch.logp_mu[rows].to(self.device)
+                old = logp.detach() if batch.logp_old is None else batch.logp_old[rows].to(self.device)
+                w = weights(old, mu, m) if callable(weights) else weights[rows].to(self.device)
+                per_tok, lm = loss_fn(logp, old, mu, batch.advantages[rows].to(self.device), w, m, **loss_kw)
+                loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, self.max_new_tokens)
+                share = 0.0 if dummy else 1.0
+                self.scaler.scale(loss * (ws * share)).backward()
+                loss_sum += float(loss.detach()) * share
+                ent_sum += float((ent * m).sum()) * share
+                frac = share * float(m.sum()) / max(n_tok, 1)
+                for k, v in lm.items():  # *_max: max; others: token-weighted mean
+                    if k.endswith("_max"):
+                        maxes[k] = max(maxes.get(k, -math.inf), v if not dummy else -math.inf)
+                    else:
+                        local[k] = local.get(k, 0.0) + v * frac
+                if track:
+                    self.noise.after_micro_backward(self._micro_units(batch, shares, i, per_token_units))
+                if mb_i == 0 and not dummy:
+                    logp_first[rows] = logp.detach().float().cpu() * batch.response_mask[rows]
+            red = self._reduce({"loss": loss_sum, "ent": ent_sum, **local})
+            scale_used = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+            self.scaler.unscale_(self.opt)
+            gn = self._clip()
+            finite = math.isfinite(gn) and math.isfinite(red["loss"])
+            if self.scaler.is_enabled():
+                self.scaler.step(self.opt)  # skips the step itself on inf/NaN gradients (all ranks agree)
+            elif finite:
+                self.opt.step()
+            self.scaler.update()
+            if finite:
+                grad_norms.append(gn)
+                n_opt += 1
+                if track:
+                    noise_terms.append(self.noise.after_step(scale_used, gn))
+            else:
+                skipped += 1
+            sums["policy/loss"] += red.pop("loss") / len(minis)
+            sums["policy/entropy"] += red.pop("ent") / max(n_tok, 1) / len(minis)
+            for k, v in red.items():
+                sums[k] = sums.get(k, 0.0) + v / len(minis)
+        self.skipped_steps += skipped
+        for k, v in self._reduce(maxes, op="max").items():
+            sums[k] = v
+        sums["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        self.dist.all_reduce_(logp_first, "sum")  # each rank filled only its own rows
+        return UpdateStats(metrics=sums, steps=n_opt, skipped=skipped, logp_first=logp_first,
+                           first_rows=first_rows, noise_terms=[x for x in noise_terms if x])
+
+    def _micro_units(self, batch, shares, i, per_token: bool) -> float:
+        """Size of micro-step ``i`` over all ranks, in tokens or responses."""
+        rows = [s[i] for s in shares if i < len(s)]
+        if not rows:
+            return 0.0
+        rows = torch.cat(rows)
+        return float(batch.response_mask[rows].sum()) if per_token else float(len(rows))
+
+    def _reduce(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
+        if not self.dist.enabled or not values:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        self.dist.all_reduce_(t, op)
+        return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+    def _clip(self) -> float:
+        """Clip to ``train.grad_clip`` by the global norm over every shard; the pre-clip norm."""
+        gn = torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.grad_clip)
+        return float(full_tensor(gn))
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale (1.0 when no scaler is active)."""
+        return float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else 1.0
+
+    # ----------------------------------------------------------------- export
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` for every parameter, cast to ``dtype`` (the rollout dtype) here
+        on the learner's side. Collective when sharded: every rank must iterate it to the end."""
+        for name, p in self.model.named_parameters():
+            t = full_tensor(p.detach())
+            yield name, (t if dtype is None else t.to(dtype))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Weights to sync into a rollout engine (the engine casts them to its dtype)."""
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
+        """``export_weights()`` in the master dtype (the engine casts)."""
+        return self.export_weights(None)
+
+    # ------------------------------------------------------------- checkpoints
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full model weights (rank 0; empty on the others), names as in the HF model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.forward_module,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k[len("lm."):]: v for k, v in sd.items()}
+
+    def load_full_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named full weights (read on rank 0 when sharded; others pass ``{}``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.forward_module, {f"lm.{k}": v for k, v in weights.items()},
+                             options=StateDictOptions(full_state_dict=True, strict=False,
+                                                      broadcast_from_rank0=self.dist.enabled))
+
+    def save_optimizer(self, path: Path) -> None:
+        """Optimizer state with ``torch.distributed.checkpoint`` (sharded: every rank writes its
+        part; keyed by parameter name, so it loads on another world size)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        with _quiet_dcp():
+            dcp.save({"optimizer": get_optimizer_state_dict(self.forward_module, self.opt)},
+                     checkpoint_id=str(path))
+
+    def load_optimizer(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.forward_module, self.opt)}
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=str(path))
+        set_optimizer_state_dict(self.forward_module, self.opt, state["optimizer"])
+
+    def state_dict(self) -> dict:
+        """The learner's small state (the optimizer goes through :meth:`save_optimizer`)."""
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else {},
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns that it runs "in a single process" when there is no process group: intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def check_model_keys(model, weights: dict, where: str) -> None:
+    """Refuse weights that do not fit the model (tied output embeddings are stored once)."""
+    expected = set(model.state_dict())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in expected - set(weights) if not (tied and k == "lm_head.weight")]
+    unexpected = sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise UnisonError(f"checkpoint '{where}' does not match the model (missing {sorted(missing)[:3]}, "
+                          f"unexpected {unexpected[:3]}): resume with the run's own config")

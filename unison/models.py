@@ -207,12 +207,26 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     return model.to(device).eval()
 
 
-def save_model_dir(model, tokenizer, final: Path) -> Path:
-    """``save_pretrained`` into a temporary sibling, then rename over ``final``."""
+def model_config(model_dir: Path):
+    """The model's ``PretrainedConfig``, read without loading any weights."""
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    model_type(model_dir)  # a clear error for a broken config.json
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise UnisonError(f"cannot read the model config in '{model_dir}' ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:100]}): pass a Hugging Face model directory") from e
+
+
+def save_model_dir(model, tokenizer, final: Path, state_dict: dict | None = None) -> Path:
+    """``save_pretrained`` into a temporary sibling, then rename over ``final``. ``state_dict``
+    (full weights, e.g. gathered from a sharded learner) replaces the module's own."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}-old")

@@ -2,47 +2,54 @@
 
     1. sample prompts; the rollout engine μ generates n responses each (log μ per token)
     2. verifier rewards; group advantages (Dr.GRPO by default)
-    3. learner score pass: log π_old (or log μ with ``policy.bypass``)
+    3. log π_old: the learner's score pass (or log μ with ``policy.bypass``, or the
+       training forward itself when one optimizer step uses the rollout)
     4. mismatch metrics of (π_old, μ); correction weights (e.g. Token-TIS min(ρ_t, C))
-    5. policy loss over mini-batches (gradient accumulation over micro-batches),
+    5. the learner's update: policy loss over mini-batches (micro-batch accumulation),
        AdamW on fp32 master weights; fp16 uses dynamic loss scaling and skips
        non-finite steps
     6. sync weights to the rollout engine (cast to its dtype)
     7. metrics.jsonl / TensorBoard / console; checkpoints; the LR schedule observes the step
+
+Under ``torchrun`` every rank draws the same prompts, generates its own share
+of the prompt groups (group advantages stay whole), and every rank sees the
+gathered batch; the learner splits the work and normalises with global counts.
+Only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from unison import checkpoint as ckpt
 from unison.algorithms.advantages import ADVANTAGES, uniform_groups
 from unison.algorithms.corrections import CORRECTIONS
-from unison.algorithms.losses import LOSSES, aggregate
-from unison.algorithms.presets import correction_kwargs, loss_kwargs, resolve_policy
+from unison.algorithms.presets import correction_kwargs, resolve_policy
 from unison.batch import collate
 from unison.config import Config, dump_config
-from unison.data_io import atomic_write_text
+from unison.data_io import atomic_write_text, read_metrics
+from unison.distributed import init_distributed, under_torchrun
 from unison.errors import UnisonError
-from unison.learner import Learner, token_logprobs
+from unison.learner import Learner, check_model_keys
 from unison.mismatch import mismatch_metrics
-from unison.models import resolve_model_dir, save_model_dir
-from unison.precision import Precision, make_grad_scaler
-from unison.rollout import SamplingParams, check_engine_available, make_engine
-from unison.schedules import GradNoiseTracker, make_schedule, noise_scale_terms
-from unison.sft import evaluate
+from unison.models import load_tokenizer, model_config, resolve_model_dir, save_model_dir
+from unison.precision import Precision
+from unison.rollout import SamplingParams, check_engine_available, make_engine, preflight_engine
+from unison.rollout.base import mix64
+from unison.schedules import GradNoiseTracker, make_schedule
 from unison.tasks import make_reward, make_task
 
-CKPT_PREFIX = "step_"
+CKPT_PREFIX = ckpt.PREFIX
 
 
 class PromptSampler:
@@ -80,49 +87,84 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
-                 log=lambda m: print(m, file=sys.stderr, flush=True)):
-        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, log=_stderr):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
         #: optional callback ``on_step(metrics)`` after each step (progress views)
         self.on_step = None
+        self._check_distributed_keys()
+        self.dist = init_distributed(cfg.device, cfg.distributed.timeout_s or 600.0)
+        self.log = log if self.dist.is_main else (lambda m: None)
+        # ---- everything that can be checked is checked before the run directory is touched
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
         model_dir = resolve_model_dir(cfg.model)
         check_engine_available(cfg.engine)
         self.task = make_task(cfg.task)
         self.reward = make_reward(self.task, cfg.task)
-        if not self.task.train:
-            raise UnisonError("the task has no training prompts: raise task.train_size or check the data")
-        self._prepare_run_dir(resume)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.prompt_ids = [self.task.encode(self.tokenizer, it) for it in self.task.train]
+        self._check_data()
+        self._check_context(model_dir)
+        preflight_engine(cfg.engine, model_dir, max(len(p) for p in self.prompt_ids) + cfg.rollout.max_new_tokens)
+        self._check_run_dir(resume)
 
         torch.manual_seed(cfg.seed)
-        self.learner = Learner(model_dir, compute_dtype=self.prec.learner_dtype, device=cfg.device,
-                               temperature=cfg.rollout.temperature)
-        self.tokenizer = self.learner.tokenizer
-        self.engine = make_engine(cfg.engine, model_dir, self.prec.rollout_dtype, device=cfg.device,
+        self.learner = Learner.from_config(cfg, model_dir, self.dist)
+        self.engine = make_engine(cfg.engine, model_dir, self.prec.rollout_dtype, device=str(self.learner.device),
                                   seed=cfg.seed, **cfg.vllm.model_dump())
-        self.prompt_ids = [self.task.encode(self.tokenizer, it) for it in self.task.train]
-        self._check_context()
-
-        t = cfg.train
-        self.params = [p for p in self.learner.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
-                                     weight_decay=t.weight_decay)
-        self.scaler = make_grad_scaler(self.prec, cfg.device, init_scale=cfg.scaler.init_scale,
-                                       growth_interval=cfg.scaler.growth_interval)
-        self.schedule = make_schedule(t)
-        self.noise = GradNoiseTracker(t.grad_noise_ema)
+        self.schedule = make_schedule(cfg.train)
+        self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         self.sampler = PromptSampler(len(self.task.train), cfg.seed)
         self.step = 0
-        self.skipped_steps = 0
-        self.tb = self._open_tensorboard()
-        self.wandb = self._open_wandb()
-        if resume:
-            self._resume()
+        self.failed_reward_steps = 0
+        self.reward_errors = 0
+        resumed_from = self._resume() if resume else None
+        self._open_run_dir(resumed_from, resume)
+        t, r = cfg.train, cfg.rollout
+        self.log(f"[train] {self.task.name}: {len(self.task.train)} training prompts, {len(self.task.eval)} eval; "
+                 f"{t.prompts_per_step} prompts x {r.n} samples per step, {t.steps} steps; "
+                 f"precision {self.prec.label}, engine {cfg.engine}, world size {self.dist.world_size}")
 
     # ------------------------------------------------------------------ set-up
-    def _prepare_run_dir(self, resume: bool) -> None:
+    def _check_distributed_keys(self) -> None:
+        d = self.cfg.distributed
+        set_keys = [k for k, v in d.model_dump().items() if v is not None]
+        if set_keys and not under_torchrun():
+            raise UnisonError(f"distributed.{set_keys[0]} is set but unison is not running under torchrun: "
+                              f"launch with `torchrun --nproc-per-node N -m unison train ...`, or remove "
+                              f"the distributed section")
+
+    def _check_data(self) -> None:
+        cfg, ws = self.cfg, self.dist.world_size
+        n = len(self.task.train)
+        if n == 0:
+            raise UnisonError("the task has no training prompts: raise task.train_size or check the data")
+        if cfg.train.prompts_per_step % ws:
+            raise UnisonError(f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by the "
+                              f"world size {ws}: every rank generates whole prompt groups; use a multiple of {ws}")
+        if n < cfg.train.prompts_per_step and cfg.task.name == "math" and not cfg.task.eval_path:
+            raise UnisonError(
+                f"task.path leaves {n} training prompt(s) after holding out {len(self.task.eval)} for eval, "
+                f"fewer than train.prompts_per_step={cfg.train.prompts_per_step}: lower task.eval_size "
+                f"or pass task.eval_path")
+
+    def _check_context(self, model_dir: Path) -> None:
+        limit = getattr(model_config(model_dir), "max_position_embeddings", None)
+        longest = max(range(len(self.prompt_ids)), key=lambda i: len(self.prompt_ids[i]))
+        need = len(self.prompt_ids[longest]) + self.cfg.rollout.max_new_tokens
+        if limit is not None and need > limit:
+            raise UnisonError(
+                f"training prompt #{longest} has {len(self.prompt_ids[longest])} tokens; with "
+                f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} that exceeds the model's "
+                f"context of {limit}: lower rollout.max_new_tokens or drop long prompts")
+
+    def _check_run_dir(self, resume: bool) -> None:
+        """Read-only: refuse an occupied --out without --resume, and a resume of another config."""
         d = self.run_dir
         cfg_path = d / "config.yaml"
         new_cfg = dump_config(self.cfg)
@@ -137,26 +179,34 @@ class Trainer:
         if resume and cfg_path.exists():
             import yaml
 
-            old, new = yaml.safe_load(cfg_path.read_text()), yaml.safe_load(new_cfg)
+            try:
+                old = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
+            except (yaml.YAMLError, UnicodeDecodeError) as e:
+                raise UnisonError(f"--resume: '{cfg_path}' is damaged ({type(e).__name__}): restore it "
+                                  f"or start a new run") from e
+            new = yaml.safe_load(new_cfg)
             old.get("train", {}).pop("steps", None)
             new.get("train", {}).pop("steps", None)
             diff = _first_difference(old, new)
             if diff:
                 raise UnisonError(f"--resume: the config differs from the run's config.yaml at '{diff}': "
                                   f"resume with the same config (only train.steps may change)")
+
+    def _open_run_dir(self, resumed_from: int | None, resume: bool) -> None:
+        """The first writes of the run (rank 0): config.yaml, checkpoints/, metrics, loggers."""
+        self.tb = self.wandb = None
+        self.dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
+        if not self.dist.is_main:
+            return
+        d = self.run_dir
         d.mkdir(parents=True, exist_ok=True)
         (d / "checkpoints").mkdir(exist_ok=True)
-        atomic_write_text(cfg_path, new_cfg)
-
-    def _check_context(self) -> None:
-        limit = getattr(self.learner.model.config, "max_position_embeddings", None)
-        longest = max(range(len(self.prompt_ids)), key=lambda i: len(self.prompt_ids[i]))
-        need = len(self.prompt_ids[longest]) + self.cfg.rollout.max_new_tokens
-        if limit is not None and need > limit:
-            raise UnisonError(
-                f"training prompt #{longest} has {len(self.prompt_ids[longest])} tokens; with "
-                f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} that exceeds the model's "
-                f"context of {limit}: lower rollout.max_new_tokens or drop long prompts")
+        ckpt.clean_partial(d / "checkpoints")
+        atomic_write_text(d / "config.yaml", dump_config(self.cfg))
+        if resume:
+            _truncate_metrics(d / "metrics.jsonl", resumed_from or 0)
+        self.tb = self._open_tensorboard()
+        self.wandb = self._open_wandb()
 
     def _open_tensorboard(self):
         if not self.cfg.log.tensorboard:
@@ -178,18 +228,38 @@ class Trainer:
         return wandb.init(mode="offline", dir=str(self.run_dir), config=self.cfg.model_dump(mode="json"))
 
     # --------------------------------------------------------------- the step
+    def _my_share(self, k: int) -> tuple[int, int]:
+        """This rank's contiguous slice of ``k`` prompts (k is a multiple of the world size)."""
+        ws, r = self.dist.world_size, self.dist.rank
+        return r * k // ws, (r + 1) * k // ws
+
     def rollout(self, step: int):
-        cfg = self.cfg
-        r = cfg.rollout
-        params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_tokens=r.max_new_tokens, seed=_step_seed(cfg.seed, step))
-        kept, rewards, dropped, rounds = [], [], 0, 0
+        """Generate, score and (with DAPO) filter one step's groups.
+
+        Returns ``(completions, rewards, info)``: what is trained on, in global prompt order
+        on every rank, and ``info`` with the rewards of everything sampled, dropped groups
+        and reward errors."""
+        cfg, r = self.cfg, self.cfg.rollout
+        P = cfg.train.prompts_per_step
+        kept, rewards, sampled, dropped, errors, last_error, rounds = [], [], [], 0, 0, None, 0
         while True:
-            idx = self.sampler.next(cfg.train.prompts_per_step)
-            comps = self.engine.generate([self.prompt_ids[i] for i in idx], params)
-            rw = self.reward.score_completions(comps, [self.task.train[i] for i in idx], self.tokenizer)
-            for c in comps:  # group id = prompt index, unique across oversampling rounds
-                c.prompt_index = c.prompt_index + rounds * cfg.train.prompts_per_step
+            idx = self.sampler.next(P)
+            seed = _step_seed(cfg.seed, step) + 104729 * rounds
+            lo, hi = self._my_share(P)
+            params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                    max_tokens=r.max_new_tokens, seed=seed,
+                                    prompt_seeds=tuple(mix64(seed, j) for j in range(lo, hi)))
+            comps = self.engine.generate([self.prompt_ids[i] for i in idx[lo:hi]], params)
+            before = self.reward.errors
+            rw = self.reward.score_completions(comps, [self.task.train[i] for i in idx[lo:hi]], self.tokenizer)
+            for c in comps:  # group id = place in the global batch, unique across oversampling rounds
+                c.prompt_index = c.prompt_index + lo + rounds * P
+            parts = self.dist.all_gather_object((comps, rw, self.reward.errors - before, self.reward.last_error))
+            comps = [c for p in parts for c in p[0]]
+            rw = [x for p in parts for x in p[1]]
+            errors += sum(p[2] for p in parts)
+            last_error = next((p[3] for p in parts if p[3]), last_error)
+            sampled += rw
             if cfg.train.drop_uniform_groups:
                 rt = torch.tensor(rw)
                 gid = torch.tensor([c.prompt_index for c in comps])
@@ -200,168 +270,121 @@ class Trainer:
             kept += comps
             rewards += rw
             rounds += 1
-            enough = len(kept) >= cfg.train.prompts_per_step * r.n
+            enough = len(kept) >= P * r.n
             if not cfg.train.drop_uniform_groups or enough or rounds > cfg.train.oversample_rounds:
                 break
-            params = SamplingParams(**{**params.__dict__, "seed": params.seed + 104729 * rounds})
-        return kept, rewards, dropped
+        if len(kept) > P * r.n:  # oversampling overshot: train on the configured batch (whole groups)
+            kept, rewards = kept[:P * r.n], rewards[:P * r.n]
+        info = {"sampled_rewards": sampled, "dropped": dropped, "errors": errors, "last_error": last_error,
+                "rounds": rounds}
+        return kept, rewards, info
 
     def train_step(self) -> dict:
-        pol, step = self.policy, self.step
+        cfg, pol, step = self.cfg, self.policy, self.step
         t_step = time.perf_counter()
         t0 = time.perf_counter()
-        comps, rewards, dropped = self.rollout(step)
+        comps, rewards, info = self.rollout(step)
         t_rollout = time.perf_counter() - t0
-        metrics: dict = {"step": step + 1}
-        all_rewards = torch.tensor(rewards, dtype=torch.float32)
-        metrics["data/dropped_groups"] = dropped
-        metrics["reward/errors"] = self.reward.errors
+        sampled = info["sampled_rewards"]
+        self.reward_errors += info["errors"]
+        metrics: dict = {"step": step + 1,
+                         "reward/mean": float(np.mean(sampled)) if sampled else float("nan"),
+                         "data/dropped_groups": info["dropped"],
+                         "reward/errors": self.reward_errors,
+                         "reward/error_count": info["errors"],
+                         "reward/error_fraction": info["errors"] / max(len(sampled), 1)}
+        self._check_reward_errors(metrics, info)
         if not comps:
             self.log(f"[train] step {step + 1}: every group had uniform rewards; no update")
-            metrics.update({"reward/mean": float("nan"), "time/rollout_s": t_rollout})
+            metrics.update({"reward/trained_mean": float("nan"), "time/rollout_s": t_rollout})
             self.step += 1
             return metrics
 
+        if cfg.log.rollouts and self.dist.is_main:
+            self._write_rollouts(step + 1, comps, rewards)
         batch = collate(comps, self.engine.pad_id)
-        batch.rewards = all_rewards
+        batch.rewards = torch.tensor(rewards, dtype=torch.float32)
         batch.advantages = ADVANTAGES[pol["advantage"]](batch.rewards, batch.group_ids)
         mask = batch.response_mask
+        correct = partial(CORRECTIONS[pol["correction"]], **correction_kwargs(pol))
+        fused = (cfg.train.fuse_score_pass and cfg.train.mini_batches == 1 and not pol["bypass"])
 
         t0 = time.perf_counter()
-        batch.logp_old = batch.logp_mu.clone() if pol["bypass"] else self.learner.score(batch)
+        if pol["bypass"]:
+            batch.logp_old = batch.logp_mu.clone()
+        elif not fused:
+            batch.logp_old = self.learner.score(batch)
         t_score = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        weights, cmetrics = CORRECTIONS[pol["correction"]](batch.logp_old, batch.logp_mu, mask,
-                                                           **correction_kwargs(pol))
+        if batch.logp_old is not None:
+            weights, cmetrics = correct(batch.logp_old, batch.logp_mu, mask)
+        else:  # computed per micro-batch from the training forward's own log π_old
+            weights = lambda old, mu, m: correct(old, mu, m)[0]  # noqa: E731
         t_tele = time.perf_counter() - t0
         lr = self.schedule.lr(step + 1)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
 
         t0 = time.perf_counter()
-        umetrics, logp_first = self.update(batch, weights)
+        stats = self.learner.train(batch, weights, lr, seed=_step_seed(cfg.seed, step) + 1)
         t_update = time.perf_counter() - t0
 
         # mismatch of the learner vs the rollout engine on the sampled tokens; in bypass
         # mode there is no score pass, so use the first mini-batch's forward (θ = θ_old there)
         t0 = time.perf_counter()
+        if fused:
+            batch.logp_old = stats.logp_first
+            _, cmetrics = correct(batch.logp_old, batch.logp_mu, mask)
         if pol["bypass"]:
-            rows = logp_first["rows"]
-            mm = mismatch_metrics(logp_first["logp"], batch.logp_mu[rows], mask[rows])
+            rows = stats.first_rows
+            mm = mismatch_metrics(stats.logp_first[rows], batch.logp_mu[rows], mask[rows])
         else:
             mm = mismatch_metrics(batch.logp_old, batch.logp_mu, mask)
         t_tele += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        self.engine.load_weights(self.learner.named_weights())
+        self.engine.load_weights(self.learner.export_weights(self.engine.dtype))
         t_sync = time.perf_counter() - t0
 
         lengths = batch.response_lens.float()
-        n_tokens = batch.num_response_tokens
         step_s = time.perf_counter() - t_step
         metrics.update({
-            "reward/mean": float(batch.rewards.mean()),
+            "reward/trained_mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
             "response/truncated_fraction": float(batch.truncated.float().mean()),
-            **mm, **cmetrics, **umetrics,
+            **mm, **cmetrics, **stats.metrics, **self._noise_metrics(stats.noise_terms),
             "optim/lr": lr,
-            "optim/loss_scale": float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0,
-            "optim/skipped_steps": self.skipped_steps,
+            "optim/loss_scale": self.learner.loss_scale,
+            "optim/skipped_steps": self.learner.skipped_steps,
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
             "time/sync_s": t_sync, "time/step_s": step_s, "time/telemetry_s": t_tele,
-            "throughput/tokens_per_s": n_tokens / max(step_s, 1e-9),
+            "throughput/tokens_per_s": batch.num_response_tokens / max(step_s, 1e-9),
         })
         metrics.update(self.schedule.observe(step + 1, metrics))
         self.step += 1
         return metrics
 
-    def update(self, batch, weights):
-        """Mini-batch optimizer steps with micro-batch gradient accumulation."""
-        cfg, pol, t = self.cfg, self.policy, self.cfg.train
-        model = self.learner.model
-        model.train()
-        loss_fn, loss_kw = LOSSES[pol["loss"]], loss_kwargs(pol)
-        g = torch.Generator().manual_seed(_step_seed(cfg.seed, self.step) + 1)
-        order = torch.randperm(batch.size, generator=g)
-        chunks = [c for c in order.chunk(min(t.mini_batches, batch.size))]
-        sums = {"policy/loss": 0.0, "policy/clip_fraction": 0.0, "policy/entropy": 0.0,
-                "optim/grad_norm": 0.0}
-        first = {"rows": chunks[0], "logp": torch.zeros((len(chunks[0]), batch.tokens.shape[1]))}
-        n_opt = 0
-        noise_terms = []
-        per_token_units = pol["loss_agg"] == "token_mean"  # batch size in tokens, else in responses
-        for mb_i, mb in enumerate(chunks):
-            mask_mb = batch.response_mask[mb]
-            n_tok, n_seq = int(mask_mb.sum()), len(mb)
-            self.opt.zero_grad(set_to_none=True)
-            loss_total, ent_sum = 0.0, 0.0
-            track = t.grad_noise and len(mb) > t.micro_batch_size
-            prev = [torch.zeros_like(p) for p in self.params] if track else None
-            micro_sq, micro_units = [], []
-            for start in range(0, len(mb), t.micro_batch_size):
-                rows = mb[start:start + t.micro_batch_size]
-                m = batch.response_mask[rows].to(cfg.device)
-                logp, ent = token_logprobs(model, batch.tokens[rows], batch.attention_mask[rows],
-                                           cfg.rollout.temperature, self.prec.learner_dtype, cfg.device,
-                                           return_entropy=True)
-                per_tok, lm = loss_fn(logp, batch.logp_old[rows].to(cfg.device),
-                                      batch.logp_mu[rows].to(cfg.device),
-                                      batch.advantages[rows].to(cfg.device),
-                                      weights[rows].to(cfg.device), m, **loss_kw)
-                loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, cfg.rollout.max_new_tokens)
-                self.scaler.scale(loss).backward()
-                loss_total += float(loss.detach())
-                if track:  # this micro-batch's share of the gradient, as a difference of sums
-                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-                    diffs = torch._foreach_sub(grads, prev)
-                    micro_sq.append(torch.stack(torch._foreach_norm(diffs)).double().pow(2).sum())
-                    torch._foreach_copy_(prev, grads)
-                    micro_units.append(float(m.sum()) if per_token_units else len(rows))
-                frac = float(m.sum()) / max(n_tok, 1)
-                for k, v in lm.items():  # *_max: max; others: token-weighted mean
-                    if k.endswith("_max"):
-                        sums[k] = max(sums.get(k, v), v)
-                    else:
-                        sums[k] = sums.get(k, 0.0) + v * frac / len(chunks)
-                ent_sum += float((ent * m).sum())
-                if mb_i == 0:
-                    first["logp"][start:start + len(rows)] = logp.detach().float().cpu()
-            scale_used = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
-            self.scaler.unscale_(self.opt)
-            gn = float(torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip))
-            finite = math.isfinite(gn) and math.isfinite(loss_total)
-            if self.scaler.is_enabled():
-                self.scaler.step(self.opt)  # skips the step itself on inf/NaN gradients
-            elif finite:
-                self.opt.step()
-            self.scaler.update()
-            if not finite:
-                self.skipped_steps += 1
-            else:
-                sums["optim/grad_norm"] += gn
-                n_opt += 1
-                if track and len(micro_sq) > 1:
-                    big_units = sum(micro_units)
-                    # micro shares were measured scaled (fp16); c_k = (B_k/B)·g_k -> |g_k|² = |c_k|²·(B/B_k)²
-                    small = [float(sq) / scale_used**2 * (big_units / u) ** 2
-                             for sq, u in zip(micro_sq, micro_units)]
-                    pre_clip_sq = gn ** 2
-                    noise_terms.append(noise_scale_terms(sum(small) / len(small),
-                                                         big_units / len(small), pre_clip_sq, big_units))
-            sums["policy/loss"] += loss_total / len(chunks)
-            sums["policy/entropy"] += ent_sum / max(n_tok, 1) / len(chunks)
-        sums["optim/grad_norm"] = sums["optim/grad_norm"] / n_opt if n_opt else float("nan")
-        noise_terms = [x for x in noise_terms if x]
-        if noise_terms:
-            avg = {k: sum(x[k] for x in noise_terms) / len(noise_terms) for k in noise_terms[0]}
-            avg["grad_noise/noise_scale"] = (avg["grad_noise/trace_sigma"] / avg["grad_noise/grad_sq"]
-                                             if avg["grad_noise/grad_sq"] else float("nan"))
-            sums.update(self.noise.update(avg))
-        model.eval()
-        return sums, first
+    def _noise_metrics(self, terms: list[dict]) -> dict:
+        if not terms:
+            return {}
+        avg = {k: sum(x[k] for x in terms) / len(terms) for k in terms[0]}
+        avg["grad_noise/noise_scale"] = (avg["grad_noise/trace_sigma"] / avg["grad_noise/grad_sq"]
+                                         if avg["grad_noise/grad_sq"] else float("nan"))
+        return self.noise.update(avg)
+
+    def _check_reward_errors(self, metrics: dict, info: dict) -> None:
+        t = self.cfg.task
+        n = max(len(info["sampled_rewards"]), 1)
+        frac = info["errors"] / n
+        if info["errors"] and frac > t.reward_error_warn:
+            self.log(f"[train] WARNING step {metrics['step']}: {info['errors']} of {n} rewards raised "
+                     f"(scored 0); last: {info['last_error']}")
+        self.failed_reward_steps = self.failed_reward_steps + 1 if info["errors"] >= n else 0
+        if t.reward_error_patience and self.failed_reward_steps >= t.reward_error_patience:
+            raise UnisonError(f"every reward raised for {self.failed_reward_steps} consecutive steps "
+                              f"(last: {info['last_error']}): fix the reward function (task.reward) and "
+                              f"continue with --resume from the last checkpoint")
 
     # -------------------------------------------------------------------- run
     def fit(self) -> dict:
@@ -388,42 +411,56 @@ class Trainer:
                 self.log(_console_line(metrics, total, eta))
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < total:
                 self.save_checkpoint()
-        if history or not self._latest_checkpoint():
+        if history or not ckpt.complete(self.run_dir / "checkpoints"):
             self.save_checkpoint()
         summary = self._summary(last, time.perf_counter() - t_start)
-        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        try:
-            from unison.report import write_report
+        if self.dist.is_main:
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+            try:
+                from unison.report import write_report
 
-            write_report([self.run_dir], self.run_dir, title=f"run {self.run_dir.name}")
-        except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the run
-            self.log(f"[train] report skipped: {e}")
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+                write_report([self.run_dir], self.run_dir, title=f"run {self.run_dir.name}")
+            except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the run
+                self.log(f"[train] report skipped: {e}")
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
         return summary
 
     def evaluate(self) -> float:
+        """Greedy accuracy on the eval split (each rank answers its share)."""
+        from unison.filter import pass_rates
+
         items = self.task.eval
-        return evaluate(self.engine, self.task, self.reward, items, self.tokenizer, 0.0,
-                        self.cfg.rollout.max_new_tokens)
+        if not items:
+            return float("nan")
+        ws, r = self.dist.world_size, self.dist.rank
+        mine = items[r * len(items) // ws:(r + 1) * len(items) // ws]
+        rates = pass_rates(self.engine, self.task, self.reward, mine, self.tokenizer, 1, 0.0,
+                           self.cfg.rollout.max_new_tokens, self.cfg.seed) if mine else []
+        rates = [x for part in self.dist.all_gather_object(rates) for x in part]
+        return sum(rates) / len(rates)
 
     def _summary(self, last: dict, wall: float) -> dict:
-        rows = read_metrics(self.run_dir / "metrics.jsonl")
+        rows = read_metrics(self.run_dir / "metrics.jsonl") if self.dist.is_main else []
         rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), float)]
         return {"steps": self.step, "precision": self.prec.label, "algo": self.cfg.algo,
+                "world_size": self.dist.world_size,
                 "reward_first": rewards[0] if rewards else None,
                 "reward_last": rewards[-1] if rewards else None,
                 "reward_last5_mean": float(np.mean(rewards[-5:])) if rewards else None,
-                "skipped_steps": self.skipped_steps, "wall_s_this_session": wall,
+                "skipped_steps": self.learner.skipped_steps, "wall_s_this_session": wall,
                 "final": {k: v for k, v in last.items() if not k.startswith("time/")}}
 
     def _write_metrics(self, metrics: dict) -> None:
+        if not self.dist.is_main:
+            return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in metrics.items()}
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(clean) + "\n")
+            f.flush()
         if self.tb is not None:
             for k, v in metrics.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
@@ -431,95 +468,106 @@ class Trainer:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in clean.items() if k != "step"}, step=metrics["step"])
 
+    def _write_rollouts(self, step: int, comps, rewards) -> None:
+        tok = self.tokenizer
+        rows = [{"group": c.prompt_index, "sample": c.sample_index,
+                 "prompt": tok.decode(c.prompt_ids, skip_special_tokens=True),
+                 "response": tok.decode(c.token_ids, skip_special_tokens=True), "reward": r,
+                 "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                 "logp_mu_sum": float(sum(c.logprobs))} for c, r in zip(comps, rewards)]
+        atomic_write_text(self.run_dir / "rollouts" / f"step_{step:06d}.jsonl",
+                          "".join(json.dumps(r) + "\n" for r in rows))
+
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_N`` (collective: every rank writes its optimizer shard)."""
+        d = self.dist
         ckdir = self.run_dir / "checkpoints"
-        final = ckdir / f"{CKPT_PREFIX}{self.step:06d}"
-        tmp = ckdir / f".tmp-{CKPT_PREFIX}{self.step:06d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_model_dir(self.learner.model, self.tokenizer, tmp / "model")
-        state = {
-            "step": self.step, "skipped_steps": self.skipped_steps,
-            "optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict(),
-            "schedule": self.schedule.state_dict(), "sampler": self.sampler.state_dict(),
-            "grad_noise": self.noise.state_dict(),
-            "reward_errors": self.reward.errors,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()},
-        }
-        torch.save(state, tmp / "trainer_state.pt")
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(ckdir)
-        for old in sorted(p for p in ckdir.iterdir() if p.name.startswith(CKPT_PREFIX))[:-self.cfg.checkpoint.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        name = f"{CKPT_PREFIX}{self.step:06d}"
+        final, tmp = ckdir / name, ckdir / f".tmp-{name}"
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        d.barrier()
+        weights = self.learner.full_state_dict()  # collective; full tensors on rank 0
+        if d.is_main:
+            save_model_dir(self.learner.model, self.tokenizer, tmp / "model", state_dict=weights)
+        del weights
+        self.learner.save_optimizer(tmp / "optimizer")  # collective
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state()}, tmp / f"rng_rank{d.rank}.pt")
+        d.barrier()
+        if d.is_main:
+            state = {"step": self.step, "world_size": d.world_size, "learner": self.learner.state_dict(),
+                     "schedule": self.schedule.state_dict(), "sampler": self.sampler.state_dict(),
+                     "grad_noise": self.noise.state_dict(), "reward_errors": self.reward_errors,
+                     "failed_reward_steps": self.failed_reward_steps}
+            torch.save(state, tmp / "trainer_state.pt")
+            ckpt.publish(tmp, final, self.cfg.checkpoint.keep)
+        d.barrier()
         return final
 
-    def _latest_checkpoint(self) -> Path | None:
+    def _resume(self) -> int:
+        """Load the newest usable checkpoint (falling back past damaged ones); its step."""
         ckdir = self.run_dir / "checkpoints"
-        done = sorted(p for p in ckdir.glob(f"{CKPT_PREFIX}*") if (p / "trainer_state.pt").exists())
-        return done[-1] if done else None
-
-    def _resume(self) -> None:
-        ckdir = self.run_dir / "checkpoints"
-        for tmp in ckdir.glob(".tmp-*"):  # a checkpoint interrupted mid-write
-            shutil.rmtree(tmp, ignore_errors=True)
-        ck = self._latest_checkpoint()
-        if ck is None:
+        found = list(reversed(ckpt.complete(ckdir)))
+        if not found:
             self.log("[train] --resume: no checkpoint yet, starting from step 0")
-            _truncate_metrics(self.run_dir / "metrics.jsonl", 0)
-            return
+            return 0
+        for i, ck in enumerate(found):
+            problem = ckpt.verify(ck) if self.dist.is_main else None
+            problem = self.dist.broadcast_object(problem)
+            if problem is None:
+                problem = self._try_load(ck)
+            if problem is None:
+                if i:
+                    self.log(f"[train] resumed from {ck.name} (step {self.step}), the newest usable checkpoint")
+                else:
+                    self.log(f"[train] resumed from {ck.name} (step {self.step})")
+                return self.step
+            later = f"; falling back to {found[i + 1].name}" if i + 1 < len(found) else ""
+            self.log(f"[train] --resume: checkpoint {ck.name} is damaged ({problem}){later}")
+        raise UnisonError(f"--resume: no usable checkpoint in '{ckdir}' (every one is damaged): "
+                          f"start a new run with another --out")
+
+    def _try_load(self, ck: Path) -> str | None:
+        """Load ``ck`` into every component; a one-line reason if it cannot be read."""
         from safetensors.torch import load_file
 
-        weights = {}
-        for f in sorted((ck / "model").glob("*.safetensors")):
-            weights.update(load_file(f))
-        missing, unexpected = self.learner.model.load_state_dict(weights, strict=False)
-        tied = getattr(self.learner.model.config, "tie_word_embeddings", False)
-        missing = [k for k in missing if not (tied and k == "lm_head.weight")]  # saved once when tied
-        if missing or unexpected:
-            raise UnisonError(f"checkpoint '{ck}' does not match the model (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}): resume with the run's own config")
-        state = torch.load(ck / "trainer_state.pt", weights_only=False)
-        self.opt.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+        try:
+            state = torch.load(ck / "trainer_state.pt", weights_only=False)
+            weights = {}
+            if self.dist.is_main:
+                for f in sorted((ck / "model").glob("*.safetensors")):
+                    weights.update(load_file(f))
+                check_model_keys(self.learner.model, weights, str(ck))
+        except UnisonError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any unreadable piece makes the checkpoint unusable
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        self.learner.load_full_state_dict(weights)
+        self.learner.load_optimizer(ck / "optimizer")
+        self.learner.load_state_dict(state["learner"])
         self.schedule.load_state_dict(state["schedule"])
         self.noise.load_state_dict(state["grad_noise"])
         self.sampler.load_state_dict(state["sampler"])
-        self.reward.errors = state.get("reward_errors", 0)
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        self.step, self.skipped_steps = state["step"], state["skipped_steps"]
-        self.engine.load_weights(self.learner.named_weights())
-        _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.log(f"[train] resumed from {ck.name} (step {self.step})")
+        self.reward_errors = state.get("reward_errors", 0)
+        self.failed_reward_steps = state.get("failed_reward_steps", 0)
+        rng = ck / f"rng_rank{self.dist.rank}.pt"
+        if rng.exists():  # absent when resuming on more ranks than wrote the checkpoint
+            r = torch.load(rng, weights_only=False)
+            torch.set_rng_state(r["torch"])
+            random.setstate(r["python"])
+            np.random.set_state(r["numpy"])
+        self.step = state["step"]
+        self.engine.load_weights(self.learner.export_weights(self.engine.dtype))
+        return None
 
 
 # ------------------------------------------------------------------ helpers
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _truncate_metrics(path: Path, step: int) -> None:
     rows = [r for r in read_metrics(path) if r["step"] <= step]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def _first_difference(a, b, prefix: str = "") -> str | None:
@@ -541,6 +589,8 @@ def _console_line(m: dict, total: int, eta: float) -> str:
             f"len {f('response_length/mean', '.1f')} k3 {f('mismatch/k3', '.2e')} "
             f"lr {f('optim/lr', '.2e')} scale {f('optim/loss_scale', '.0f')} "
             f"tok/s {f('throughput/tokens_per_s', '.0f')} ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+    if m.get("reward/error_count"):
+        line += f" reward-errors {m['reward/error_count']}"
     if "eval/accuracy" in m:
         line += f" eval {m['eval/accuracy']:.3f}"
     return line

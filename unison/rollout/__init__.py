@@ -34,6 +34,16 @@ def check_engine_available(name: str) -> None:
         check_vllm()
 
 
+def preflight_engine(name: str, model_dir, total_len: int) -> None:
+    """Check from the model's config alone that ``name`` can serve requests of ``total_len``
+    tokens (prompt + response): start-up errors before anything is loaded or written."""
+    if name == "native":
+        from unison.models import model_config
+        from unison.rollout.native import check_request
+
+        check_request(model_config(model_dir), total_len, 0)
+
+
 def parse_engine(name: str) -> str:
     key = str(name).strip().lower()
     if key not in ENGINES:
@@ -41,4 +51,4 @@ def parse_engine(name: str) -> str:
     return key
 
 
-__all__ = ["SamplingParams", "make_engine", "parse_engine", "ENGINES"]
+__all__ = ["SamplingParams", "make_engine", "parse_engine", "preflight_engine", "ENGINES"]

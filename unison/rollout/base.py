@@ -1,4 +1,13 @@
-"""Sampling parameters and the token-sampling rule shared by rollout engines."""
+"""Sampling parameters and the token-sampling rule shared by rollout engines.
+
+Sampling is **batch-composition invariant**: the random number behind the
+token of response row ``b`` at step ``t`` is a hash of (row seed, t), and the
+row seed is a hash of (the prompt's seed, the sample's index). A prompt's
+samples therefore do not depend on which other prompts share the batch, how
+many rows are still decoding, or which rank of a ``torchrun`` job generates
+them: N ranks that each generate their share of the prompt groups produce
+exactly what one process produces for all of them (given equal logits).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +39,9 @@ class SamplingParams:
     #: keep sampling past EOS up to ``max_tokens`` (as vLLM's ``ignore_eos``):
     #: fixed-length responses for benchmarks and length studies.
     ignore_eos: bool = False
+    #: one seed per prompt (the trainer derives them from the step seed and the prompt's place in
+    #: the global batch); None: derived from ``seed`` and the prompt's index in this call
+    prompt_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.n < 1:
@@ -44,12 +56,62 @@ class SamplingParams:
             raise UnisonError(f"max_tokens={self.max_tokens} is invalid: generate at least one token")
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from ``logits`` [b, V].
+_M32 = 0xFFFFFFFF
 
-    Returns ``(tokens [b], logp [b])`` where ``logp`` is the log-probability of
-    the sampled token under the distribution it was drawn from, computed in fp32.
+
+def mix64(*values: int) -> int:
+    """A 64-bit hash (splitmix64 steps) of integers: seeds derived from seeds."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        h = (h + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def row_seeds(params: SamplingParams, num_prompts: int) -> list[int]:
+    """The seed of every response row, prompt-major (prompt 0's n samples, then prompt 1's...)."""
+    seeds = params.prompt_seeds
+    if seeds is None:
+        seeds = [mix64(params.seed, j) for j in range(num_prompts)]
+    elif len(seeds) != num_prompts:
+        raise UnisonError(f"{len(seeds)} prompt seeds for {num_prompts} prompts: pass one per prompt")
+    return [mix64(s, i) for s in seeds for i in range(params.n)]
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h · c) mod 2³² for uint32 values held in int64, without int64 overflow."""
+    return ((h & 0xFFFF) * c + ((((h >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser (a bijection with good avalanche)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def row_uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row for decode step ``t``: a hash of (row seed, t), fp64."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _fmix32(lo ^ _fmix32(hi ^ 0x5BD1E995))
+    h = _fmix32(h ^ _mul32(torch.full_like(h, t + 1), 0x9E3779B9))
+    return (h.double() + 0.5) / 2.0**32
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor,
+                  t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from ``logits`` [b, V] for decode step ``t``.
+
+    ``seeds`` [b] (int64) are the rows' seeds (:func:`row_seeds`). Inverse-CDF
+    sampling with the row's own uniform: the draw of a row never depends on
+    the other rows. Returns ``(tokens [b], logp [b])`` where ``logp`` is the
+    log-probability of the sampled token under the distribution it was drawn
+    from, computed in fp32.
     """
     logits = logits.float()
     if params.temperature == 0:
@@ -58,7 +120,9 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     logp = torch.log_softmax(logits / params.temperature, dim=-1)
     if params.top_k or params.top_p < 1.0:
         logp = _truncate(logp, params.top_k, params.top_p)
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    cdf = logp.double().exp().cumsum(-1)
+    u = row_uniforms(seeds.to(cdf.device), t) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 

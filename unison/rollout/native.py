@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from unison.batch import Completion
 from unison.errors import UnisonError
 from unison.models import load_model, load_tokenizer
-from unison.rollout.base import SamplingParams, sample_tokens
+from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 
 
 class NativeEngine:
@@ -105,8 +105,7 @@ class NativeEngine:
         pos = (key_ok[:, :P].long().cumsum(-1) - 1).clamp(min=0)
         cache = self._new_cache(B, P + T)
 
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(int(params.seed))
+        seeds = torch.tensor(row_seeds(params, len(prompts)), dtype=torch.int64, device=dev)
 
         # prefill: causal over the padded prompt, padding keys masked out. A pad
         # query also sees itself, so no attention row is empty (an empty row
@@ -124,7 +123,7 @@ class NativeEngine:
         eos = torch.tensor([] if params.ignore_eos else self.eos_ids, dtype=torch.long, device=dev)
         next_pos = pos[:, -1] + 1
         for t in range(T):
-            tok, lp = sample_tokens(logits, params, gen)
+            tok, lp = sample_tokens(logits, params, seeds[active], t)
             out_tokens[active, t] = tok
             out_logp[active, t] = lp
             lengths[active.cpu()] = t + 1
@@ -155,18 +154,7 @@ class NativeEngine:
 
     # ---------------------------------------------------------------- internals
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
-        limit = getattr(self.config, "max_position_embeddings", None)
-        if limit is not None and prompt_len + max_tokens > limit:
-            raise UnisonError(
-                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's "
-                f"context of {limit}: shorten the prompt or lower max_tokens / max-new-tokens")
-        window = getattr(self.config, "sliding_window", None)
-        uses_window = window is not None and (
-            self.config.model_type == "mistral" or getattr(self.config, "use_sliding_window", False))
-        if uses_window and prompt_len + max_tokens > window:
-            raise UnisonError(
-                f"prompt + max_tokens ({prompt_len + max_tokens}) exceeds the sliding window "
-                f"({window}), which the native engine does not implement: lower max_tokens")
+        check_request(self.config, prompt_len, max_tokens)
 
     def _new_cache(self, batch: int, length: int):
         cfg = self.config
@@ -204,3 +192,26 @@ class NativeEngine:
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         h = core.norm(h[:, -1])
         return self.model.lm_head(h)
+
+
+def check_request(config, prompt_len: int, max_tokens: int) -> None:
+    """Refuse what the native engine cannot run: an architecture it does not know, a request
+    longer than the context, or longer than a sliding window (read from the config alone, so
+    the trainer checks it before the run directory exists)."""
+    from unison.models import SUPPORTED_MODEL_TYPES
+
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnisonError(f"model type '{config.model_type}' is not supported by the native engine: it runs "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and prompt_len + max_tokens > limit:
+        raise UnisonError(
+            f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's "
+            f"context of {limit}: shorten the prompt or lower max_tokens / max-new-tokens")
+    window = getattr(config, "sliding_window", None)
+    uses_window = window is not None and (
+        config.model_type == "mistral" or getattr(config, "use_sliding_window", False))
+    if uses_window and prompt_len + max_tokens > window:
+        raise UnisonError(
+            f"prompt + max_tokens ({prompt_len + max_tokens}) exceeds the sliding window "
+            f"({window}), which the native engine does not implement: lower max_tokens")

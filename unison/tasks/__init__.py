@@ -51,15 +51,18 @@ class RewardFn:
         self.task = task
         self.fn = custom or task.score
         self.truncated_reward = truncated_reward
+        #: verifier calls that raised (cumulative), and the last such error, for the console
         self.errors = 0
+        self.last_error: str | None = None
 
     def __call__(self, response: str, item: Item, truncated: bool) -> float:
         if truncated and self.truncated_reward is not None:
             return float(self.truncated_reward)
         try:
             return float(self.fn(response, item))
-        except Exception:  # noqa: BLE001 - a reward bug must never kill the run
+        except Exception as e:  # noqa: BLE001 - a reward bug must never kill the run mid-step
             self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"[:200]
             return 0.0
 
     def score_completions(self, completions, items: list[Item], tokenizer) -> list[float]:

@@ -1,0 +1,209 @@
+"""torchrun + FSDP2 on 2 CPU ranks (gloo) against one process. Run with: make test-distributed.
+
+Every test launches real ``torchrun`` jobs of the tiny model; a reward that pays for
+characters gives the groups different rewards, hence real gradients to compare.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from unison.data_io import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = """\
+task: {digits: 1, train_size: 40, eval_size: 8, reward: "char_reward:reward", truncated_reward: null}
+rollout: {n: 4, max_new_tokens: 6}
+train: {prompts_per_step: 4, mini_batches: 2, micro_batch_size: 4, lr: 1.0e-3, steps: 3}
+log: {console: false, tensorboard: false, rollouts: true}
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def env(tmp_path):
+    (tmp_path / "char_reward.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    return e
+
+
+def _torchrun(args, env, n=2, timeout=240, **kw):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+           "--master-port", str(_port()), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+def _train(env, tmp_path, out, sets=(), n=2, resume=False, torchrun=True):
+    args = ["-m", "unison", "train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / out)]
+    args += [f"--set={s}" for s in sets] + (["--resume"] if resume else [])
+    if torchrun:
+        return _torchrun(args, env, n=n)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
+
+
+def _tokens(run):
+    return {p.name: [r["token_ids"] for r in map(json.loads, p.read_text().splitlines())]
+            for p in sorted((run / "rollouts").glob("*.jsonl"))}
+
+
+def _weights(run, step):
+    from safetensors.torch import load_file
+
+    return load_file(run / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors")
+
+
+def test_two_ranks_equal_one_process_in_fp32(env, tmp_path):
+    one = _train(env, tmp_path, "one", ["train.micro_batch_size=4"], torchrun=False)
+    assert one.returncode == 0, one.stderr
+    two = _train(env, tmp_path, "two", ["distributed.param_dtype=fp32", "train.micro_batch_size=2"])
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("done:") == 1  # rank 0 alone speaks
+    a, b = read_metrics(tmp_path / "one/metrics.jsonl"), read_metrics(tmp_path / "two/metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    assert _tokens(tmp_path / "one") == _tokens(tmp_path / "two")  # identical samples, every step
+    for ra, rb in zip(a, b):
+        assert ra["reward/mean"] == rb["reward/mean"] and ra["response_length/mean"] == rb["response_length/mean"]
+        for k in ("optim/grad_norm", "policy/entropy", "policy/clip_fraction", "policy/ppo_kl"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5), k
+        # the loss is a sum of terms of both signs (−7.9e-5 at step 2 from terms ~1e-2): fp32 order
+        assert rb["policy/loss"] == pytest.approx(ra["policy/loss"], rel=1e-5, abs=1e-7)
+        # micro-batches are global (4 rows on each rank = 8): 2 per optimizer step, as in one process
+        assert rb["grad_noise/big_sq"] == pytest.approx(ra["grad_noise/big_sq"], rel=1e-4)
+        assert ra["optim/grad_norm"] > 0 and ra["policy/loss"] != 0  # a real gradient was compared
+        # fp32 k3 is rounding noise (~1e-12): equal to that level, not to 1e-5 of itself
+        assert rb["mismatch/k3"] == pytest.approx(ra["mismatch/k3"], rel=1e-5, abs=1e-11)
+    wa, wb = _weights(tmp_path / "one", 3), _weights(tmp_path / "two", 3)
+    assert set(wa) == set(wb)
+    for k in wa:  # per tensor, |Δ| / |w| (measured: ≤ 2e-7; Adam amplifies rounding where g ≈ 0)
+        assert float((wb[k] - wa[k]).norm() / wa[k].norm()) < 1e-5, k
+    assert any(not torch.equal(wa[k], v) for k, v in _initial_weights().items())  # training moved them
+
+
+def _initial_weights():
+    from safetensors.torch import load_file
+
+    from unison.models import builtin_model_dir
+
+    return load_file(builtin_model_dir("tiny") / "model.safetensors")
+
+
+def test_low_precision_trains_on_two_ranks_and_compute_params_match_the_engine(env, tmp_path):
+    k3 = {}
+    for prec, pd in [("bf16", "compute"), ("bf16", "fp32"), ("fp16", None)]:
+        out = f"{prec}-{pd}"
+        r = _train(env, tmp_path, out, [f"precision={prec}", "train.steps=2"]
+                   + ([f"distributed.param_dtype={pd}"] if pd else []))
+        assert r.returncode == 0, r.stderr
+        rows = read_metrics(tmp_path / out / "metrics.jsonl")
+        assert len(rows) == 2
+        for row in rows:
+            assert row["optim/skipped_steps"] == 0 and row["optim/grad_norm"] > 0
+            assert row["optim/loss_scale"] == (2.0**16 if prec == "fp16" else 1.0)
+        k3[out] = max(row["mismatch/k3"] for row in rows)
+    # parameters all-gathered in bf16 compute as the native engine does (bf16 weights, no autocast):
+    # measured k3 ~2e-14 here against ~3e-4 for fp32 parameters under autocast
+    assert k3["bf16-compute"] < 1e-3 * k3["bf16-fp32"]
+    assert k3["fp16-None"] < 1e-9  # the default is compute
+
+
+def test_an_inf_in_one_ranks_shard_skips_the_step_everywhere(env, tmp_path):
+    script = tmp_path / "inf.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, math, torch
+        from unison.config import load_config
+        from unison.distributed import current, local_tensor
+        from unison.trainer import Trainer
+        cfg = load_config({str(tmp_path / 'c.yaml')!r}, ["precision=fp16", "train.mini_batches=1", "train.steps=2"])
+        t = Trainer(cfg, {str(tmp_path / 'run')!r})
+        scaler, d = t.learner.scaler, current()
+        orig = scaler.unscale_
+        def poisoned(opt):
+            if d.rank == 1 and t.step == 0:
+                g = local_tensor(t.learner.params[3].grad)
+                g.view(-1)[0] = float("inf")
+            return orig(opt)
+        scaler.unscale_ = poisoned
+        m1 = t.train_step()
+        m2 = t.train_step()
+        print(json.dumps({{"rank": d.rank, "skipped": [m1["optim/skipped_steps"], m2["optim/skipped_steps"]],
+                          "scale": [m1["optim/loss_scale"], m2["optim/loss_scale"]]}}))
+    """))
+    r = _torchrun([str(script)], env)
+    assert r.returncode == 0, r.stderr
+    out = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert sorted(o["rank"] for o in out) == [0, 1]
+    for o in out:  # both ranks skipped the poisoned step and halved the scale; the next step ran
+        assert o["skipped"] == [1, 1] and o["scale"] == [2.0**15, 2.0**15]
+
+
+def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(env, tmp_path):
+    sets = ["distributed.param_dtype=fp32", "train.steps=5", "checkpoint.every=1"]
+    full = _train(env, tmp_path, "full", sets)
+    assert full.returncode == 0, full.stderr
+    args = ["-m", "unison", "train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "cut")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+           *args, *[f"--set={s}" for s in sets]]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.time() + 200
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # every rank and the launcher, mid-run
+    proc.wait(timeout=30)
+    assert len(read_metrics(metrics)) < 5
+    res = _train(env, tmp_path, "cut", sets, resume=True)
+    assert res.returncode == 0, res.stderr
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}  # noqa: E731
+                          for r in rows]
+    assert strip(read_metrics(metrics)) == strip(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+
+
+def test_bad_input_and_a_dying_rank_fail_cleanly(env, tmp_path):
+    # a world size that does not divide the prompt groups: one line, nothing written
+    r = _train(env, tmp_path, "bad", ["train.prompts_per_step=3"])
+    assert r.returncode != 0 and "unison: error (rank 0): train.prompts_per_step=3 is not divisible" in r.stderr
+    assert not _our_frames(r.stderr) and not (tmp_path / "bad").exists()  # (torchrun adds its own summary)
+    # distributed keys without torchrun
+    r = _train(env, tmp_path, "bad", ["distributed.param_dtype=fp32"], torchrun=False)
+    assert r.returncode == 2 and "not running under torchrun" in r.stderr and not (tmp_path / "bad").exists()
+    # a rank that dies mid-run: the job ends (no hang) and says why
+    (tmp_path / "dying.py").write_text(textwrap.dedent("""
+        import os
+        def reward(response, item):
+            if os.environ.get("RANK") == "1" and os.path.exists(os.environ["DIE_FLAG"]):
+                os._exit(7)
+            return len(response) / 10
+    """))
+    flag = tmp_path / "die"
+    flag.write_text("")
+    t0 = time.time()
+    r = _train(dict(env, DIE_FLAG=str(flag)), tmp_path, "dies", ["task.reward=dying:reward"])
+    assert r.returncode != 0 and time.time() - t0 < 120
+    assert "exitcode  : 7" in r.stderr  # torchrun names the rank that died and its exit code
+    # rank 0 says in one line why it stops: its collective broke, or torchrun stopped it
+    assert ("unison: error (rank 0): lost the other ranks" in r.stderr
+            or "unison: stopped (rank 0): torchrun ended this rank because another rank failed" in r.stderr)
+    assert not _our_frames(r.stderr)
+
+
+def _our_frames(stderr: str) -> list[str]:
+    """Traceback frames in unison's own code (torchrun's launcher prints its own)."""
+    return [x for x in stderr.splitlines() if x.strip().startswith("File ") and "/unison/" in x]
