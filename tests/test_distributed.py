@@ -207,3 +207,19 @@ def test_bad_input_and_a_dying_rank_fail_cleanly(env, tmp_path):
 def _our_frames(stderr: str) -> list[str]:
     """Traceback frames in unison's own code (torchrun's launcher prints its own)."""
     return [x for x in stderr.splitlines() if x.strip().startswith("File ") and "/unison/" in x]
+
+
+def test_a_checkpoint_resumes_on_another_world_size(env, tmp_path):
+    # weights are stored whole (HF directory) and the optimizer with torch.distributed.checkpoint,
+    # keyed by parameter name: 2 ranks -> 1 rank -> 2 ranks continues the 2-rank run
+    sets = ["distributed.param_dtype=fp32", "train.steps=2"]
+    assert _train(env, tmp_path, "run", sets).returncode == 0
+    r = _train(env, tmp_path, "run", sets[:1] + ["train.steps=3"], n=1, resume=True)
+    assert r.returncode == 0 and "resumed from step_000002" in r.stderr, r.stderr
+    r = _train(env, tmp_path, "run", sets[:1] + ["train.steps=4"], resume=True)
+    assert r.returncode == 0, r.stderr
+    ref = _train(env, tmp_path, "ref", sets[:1] + ["train.steps=4"])
+    assert ref.returncode == 0, ref.stderr
+    a, b = read_metrics(tmp_path / "run/metrics.jsonl"), read_metrics(tmp_path / "ref/metrics.jsonl")
+    assert [x["reward/mean"] for x in a] == [x["reward/mean"] for x in b]
+    assert [x["optim/grad_norm"] for x in a] == pytest.approx([x["optim/grad_norm"] for x in b], rel=1e-5)

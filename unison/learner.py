@@ -48,7 +48,7 @@ from unison.models import load_model, load_tokenizer
 from unison.precision import Precision, autocast
 
 #: positions per chunk of the output layer (``train.logprob_chunk``'s default)
-DEFAULT_CHUNK = 1024
+DEFAULT_CHUNK = 512
 
 
 # ----------------------------------------------------------------------------- log-probs
