@@ -105,8 +105,10 @@ def test_ppo_clip_by_hand_with_gradient():
     assert per_tok[0, 1].item() == pytest.approx(-1.2)
     assert per_tok[0, 2].item() == pytest.approx(-2.0 * math.exp(-0.1), rel=1e-6)
     assert m["policy/clip_fraction"] == pytest.approx(0.5)
-    # k3 of the PPO ratio, mean over the two tokens: (e^0.5 − 1.5 + e^−0.1 − 0.9) / 2
-    assert m["policy/ppo_kl"] == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.1) - 0.9) / 2, rel=1e-6)
+    # log r = (0.5, −0.1). k1 (verl's ppo_kl) = mean(−log r) = (−0.5 + 0.1) / 2 = −0.2
+    assert m["policy/ppo_kl"] == pytest.approx(-0.2, rel=1e-6)
+    # k3 = mean(r − 1 − log r) = (e^0.5 − 1.5 + e^−0.1 − 0.9) / 2
+    assert m["policy/ppo_kl_k3"] == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.1) - 0.9) / 2, rel=1e-6)
     per_tok.sum().backward()
     assert logp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -2.0 * math.exp(-0.1)], rel=1e-6)
 
@@ -275,3 +277,21 @@ def test_nonsense_combinations_are_refused():
         resolve_policy("pg_seq_is", PolicyConfig(correction="token_tis"))
     with pytest.raises(UnisonError, match="does not compose"):
         resolve_policy("gspo", PolicyConfig(correction="token_mis"))
+
+
+def test_geo_rs_equals_verl_seq_mean_k1_with_reciprocal_thresholds():
+    # verl (rollout_corr_helper.compute_rollout_rejection_mask, rollout_rs="seq_mean_k1"): statistic
+    # mean_t(−log ρ_t) with log ρ_t = old − rollout clamped to ±20; keep iff log lo ≤ stat ≤ log hi.
+    # docs/algorithms.md: geo_rs(c=C, c_low=L) ≡ seq_mean_k1 with "lo_hi" = "{1/C}_{1/L}".
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(64, 6, generator=g)
+    mu = old + 0.02 * torch.randn(64, 6, generator=g)
+    mask = (torch.rand(64, 6, generator=g) > 0.2).float()
+    mask[:, 0] = 1.0
+    c, c_low = 1.01, 0.98
+    lo, hi = 1 / c, 1 / c_low
+    stat = (-(old - mu).clamp(-20, 20) * mask).sum(-1) / mask.sum(-1)
+    verl_keep = ((stat >= math.log(lo)) & (stat <= math.log(hi))).float()
+    w, _ = CORRECTIONS["geo_rs"](old, mu, mask, c=c, c_low=c_low)
+    assert 0 < verl_keep.sum() < 64  # both outcomes occur
+    assert torch.equal((w.sum(-1) > 0).float(), verl_keep)

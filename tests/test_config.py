@@ -51,3 +51,14 @@ def test_shipped_configs_load():
 
     for p in sorted((Path(__file__).parents[1] / "configs").rglob("*.yaml")):
         assert isinstance(load_config(p), Config), p
+
+
+def test_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes(b"seed: 1\n# caf\xe9\n")
+    with pytest.raises(UnisonError) as e:
+        load_config(p)
+    assert str(e.value) == f"config file '{p}' is not UTF-8 text (line 2): re-save it as UTF-8"
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes(b"\xef\xbb\xbfseed: 3\n")  # a byte-order mark is fine
+    assert load_config(bom).seed == 3

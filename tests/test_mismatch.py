@@ -109,3 +109,20 @@ def test_padding_never_changes_metrics(batch, length, seed):
         assert math.isfinite(a[k])
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     assert a["mismatch/k3"] >= 0 and a["mismatch/k2"] >= 0
+
+
+def test_chi2_keeps_a_tiny_mismatch_that_the_naive_form_cancels():
+    # r_t = log π − log μ = 1e-8 on both tokens of one response (prob ≈ 1: log-probs near 0 are
+    # exact in fp32). By hand: χ²_token = mean(e^{2r} − 1) = expm1(2e-8) ≈ 2e-8 (+ 2e-16);
+    # χ²_seq = expm1(2R) with R = 2e-8, ≈ 4e-8. The naive mean(e^{2r}) − 1 gives exactly 0 in fp32.
+    logp_mu = torch.tensor([[-2e-8, -2e-8]])
+    logp_pi = torch.tensor([[-1e-8, -1e-8]])
+    mask = torch.ones(1, 2)
+    r = mm.log_ratio(logp_pi, logp_mu, mask)
+    assert r[0].tolist() == pytest.approx([1e-8, 1e-8], rel=1e-6)
+    assert float(torch.exp(2 * r).mean() - 1.0) == 0.0  # the old formula: cancelled to nothing
+    assert float(mm.chi2_token(logp_pi, logp_mu, mask)) == pytest.approx(2e-8, rel=1e-5)
+    assert float(mm.chi2_seq(logp_pi, logp_mu, mask)) == pytest.approx(4e-8, rel=1e-5)
+    m = mm.mismatch_metrics(logp_pi, logp_mu, mask)
+    assert m["mismatch/chi2_token"] == pytest.approx(2e-8, rel=1e-5)
+    assert m["mismatch/chi2_seq"] == pytest.approx(4e-8, rel=1e-5)

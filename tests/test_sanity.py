@@ -94,6 +94,25 @@ def test_report_cli_overlays_runs(tmp_path):
     assert main(["report", str(tmp_path / "nope")]) == 2
 
 
+def test_report_reads_metrics_like_the_trainer_and_refuses_empty_runs(tmp_path, capsys):
+    # a torn last line (the trace of a SIGKILL during a write) is dropped, not a traceback
+    _write_run(tmp_path / "a", [0.5, 0.6, 0.7], [1e-6] * 3)
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')
+    assert summarize(tmp_path / "a")["steps"] == 3
+    # no steps at all: refused, and nothing is written into the run directory
+    _write_run(tmp_path / "e", [], [])
+    before = sorted(p.name for p in (tmp_path / "e").iterdir())
+    assert main(["report", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"unison: error: '{tmp_path / 'e'}' has no training steps in metrics.jsonl: "
+                   f"nothing to report")
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == before
+    # every run is validated before --out is created
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "e"), "--out", str(tmp_path / "rep")]) == 2
+    assert not (tmp_path / "rep").exists()
+
+
 def test_sanity_end_to_end_small(tmp_path):
     out = tmp_path / "s"
     args = ["sanity", "--out", str(out), "--precisions", "fp32,fp16", "--k", "4", "--max-prompts", "8",

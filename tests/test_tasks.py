@@ -81,3 +81,132 @@ def test_score_completions_decodes_and_flags_truncation(tiny_dir):
                         logprobs=[0.0], finish_reason="stop", prompt_index=1)]
     # right and finished; right but cut at max tokens (truncated -> 0); wrong
     assert RewardFn(task).score_completions(comps, items, tok) == [1.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------- math grader guards (issue 13)
+# Inline copies of rows of sanity_math_1460.jsonl (line numbers of that file), so these run anywhere.
+ROW_385 = {"problem": "... Suppose that $(a_{100},b_{100}) = (2,4)$. What is $a_1 + b_1$?  Express your "
+                      "answer using exponential notation.", "answer": "\\frac{1}{2^{98}}"}
+ROW_1255 = {"problem": "Given that $x+\\sin y=2008$ and $x+2008 \\cos y=2007$, where $0 \\leq y \\leq "
+                       "\\frac{\\pi}{2}$, find the value of $x+y$.", "answer": "2007 + \\frac\\pi 2"}
+ROW_83 = {"problem": "... Find $p(a,b,c).$", "answer": "a + b + c"}
+ROW_165 = {"problem": "... What is the height of the triangle, $h$, in terms of the side length of the "
+                      "square, $s$?", "answer": "2s"}
+ROW_342 = {"problem": "...", "answer": "\\dfrac{2469}{20,\\!000}"}
+
+
+def _math_task(tmp_path, rows):
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return make_task(TaskConfig(name="math", path=str(p), eval_size=0))
+
+
+def _boxed(ans):
+    return f"So the final answer is $\\boxed{{{ans}}}$."
+
+
+def _grade(task, row, answers):
+    item = next(it for it in task.train if it.answer == row["answer"])
+    return [task.score(_boxed(a), item) for a in answers]
+
+
+def test_math_grader_tiny_fraction_off_by_a_factor_of_two_is_wrong(tmp_path):
+    # math-verify 0.9.0 compares exact numbers with (a − b).evalf(chop=True): a difference of
+    # 2^-98 ≈ 3e-30 is chopped to 0, so 2/2^98 "equalled" 1/2^98.
+    task = _math_task(tmp_path, [ROW_385])
+    assert _grade(task, ROW_385, ["\\frac{1}{2^{98}}", "2^{-98}", "\\frac{2}{2^{98}}", "\\frac{1}{2^{97}}",
+                                  "0"]) == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_math_grader_braceless_frac_in_gold(tmp_path):
+    # `\frac\pi 2` was parsed as `\frac{\}{p}i 2` = 2: the right answer failed and "2" passed.
+    task = _math_task(tmp_path, [ROW_1255])
+    assert _grade(task, ROW_1255, ["2007 + \\frac{\\pi}{2}", "2007+\\frac\\pi2", "\\frac{4014+\\pi}{2}",
+                                   "2", "2007"]) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_math_grader_keeps_bare_letter_variables_and_separators(tmp_path):
+    # math-verify strips trailing bare-letter "units" (c, s, ...): the gold `a + b + c` became the
+    # string "a +" and `2s` became 2; `20,\!000` left the gold unparsed.
+    task = _math_task(tmp_path, [ROW_83, ROW_165, ROW_342])
+    assert _grade(task, ROW_83, ["a+b+c", "a + b + c", "c + b + a", "a + c", "a + b + d"]) == [1, 1, 1, 0, 0]
+    assert _grade(task, ROW_165, ["2s", "s \\cdot 2", "2", "3s"]) == [1.0, 1.0, 0.0, 0.0]
+    assert _grade(task, ROW_342, ["\\dfrac{2469}{20,\\!000}", "\\frac{2469}{20000}", "0.12345",
+                                  "\\frac{2469}{2000}"]) == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_math_grader_guards_on_the_shared_rows(shared_data):
+    rows = [json.loads(line) for line in open(shared_data / "sanity_math_1460.jsonl")]
+    assert rows[384]["answer"] == ROW_385["answer"] and rows[1254]["answer"] == ROW_1255["answer"]
+    assert rows[82]["answer"] == ROW_83["answer"] and rows[164]["answer"] == ROW_165["answer"]
+    task = make_task(TaskConfig(name="math", path=str(shared_data / "sanity_math_1460.jsonl"), eval_size=0))
+    by_answer = {it.answer: it for it in task.train}
+    for row, right, wrong in [(rows[384], "2^{-98}", "\\frac{2}{2^{98}}"),
+                              (rows[1254], "2007 + \\frac{\\pi}{2}", "2"),
+                              (rows[82], "a+b+c", "a + c"), (rows[164], "2s", "2")]:
+        item = by_answer[row["answer"]]
+        assert task.score(_boxed(right), item) == 1.0, row
+        assert task.score(_boxed(wrong), item) == 0.0, row
+        assert task.score(_boxed(row["answer"]), item) == 1.0, row  # the reference as written
+
+
+def test_normalisers_by_hand():
+    from unison.tasks.math import normalize_answer_text, normalize_fracs, normalize_gold
+
+    assert normalize_fracs("2007 + \\frac\\pi 2") == "2007 + \\frac{\\pi}{2}"
+    assert normalize_fracs("\\frac12 + \\dfrac 3 4 + \\tfrac{5}6") == "\\frac{1}{2} + \\dfrac{3}{4} + \\tfrac{5}{6}"
+    assert normalize_fracs("\\frac{\\frac\\pi 2}{3}") == "\\frac{\\frac{\\pi}{2}}{3}"
+    for untouched in ("\\frac{a}{b}", "\\frac", "\\frac{1", "\\fraction", "x/2"):
+        assert normalize_fracs(untouched) == untouched
+    assert normalize_answer_text("\\boxed{\\frac{1}{29,\\!322,\\!216}.}") == "\\boxed{\\frac{1}{29322216}}"
+    assert normalize_answer_text("\\boxed{(1,234)}") == "\\boxed{(1,234)}"  # a tuple, not a thousands mark
+    assert normalize_gold("30^\\circ.") == "30^\\circ" and normalize_gold("1, 2, ...") == "1, 2, ..."
+
+
+def test_numbers_agree_uses_a_relative_tolerance():
+    import sympy
+
+    from unison.tasks.math import numbers_agree
+
+    tiny = sympy.Integer(2) ** -98
+    assert not numbers_agree(tiny, 2 * tiny) and numbers_agree(tiny, sympy.Rational(1, 2**98))
+    assert not numbers_agree(sympy.Float("1e-8"), sympy.Float("2e-8"))
+    assert numbers_agree(sympy.Rational(1, 3), sympy.Float("0.333333"))  # math-verify's 6 decimals
+    assert not numbers_agree(sympy.Integer(0), sympy.Integer(10) ** -20)
+    assert numbers_agree(sympy.Symbol("x"), sympy.Integer(2))  # not numbers: no objection
+    assert not numbers_agree(sympy.Tuple(1, tiny), sympy.Tuple(1, 2 * tiny))
+
+
+# ---------------------------------------------------------------------- math eval split (issue 13)
+@pytest.mark.parametrize("rows,eval_size,held_out", [
+    (16, 200, 1), (9, 200, 0), (100, 200, 10), (1460, 200, 146), (2000, 200, 200), (5000, 200, 200),
+    (1460, 0, 0), (1460, 50, 50)])
+def test_math_eval_split_never_holds_out_more_than_a_tenth(tmp_path, rows, eval_size, held_out):
+    p = tmp_path / "m.jsonl"
+    p.write_text("".join(json.dumps({"problem": f"{i}+0?", "answer": str(i)}) + "\n" for i in range(rows)))
+    task = make_task(TaskConfig(name="math", path=str(p), eval_size=eval_size))
+    assert len(task.eval) == held_out and len(task.train) == rows - held_out
+    assert not {it.prompt for it in task.train} & {it.prompt for it in task.eval}
+    again = make_task(TaskConfig(name="math", path=str(p), eval_size=eval_size))
+    assert [it.prompt for it in again.eval] == [it.prompt for it in task.eval]  # seeded
+
+
+# ---------------------------------------------------------------------- non-UTF-8 data (issue 13)
+@pytest.mark.parametrize("name", ["math", "arithmetic"])
+def test_task_file_that_is_not_utf8_is_one_clear_error(tmp_path, name):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes('{"problem": "caf\u00e9?", "prompt": "caf\u00e9", "answer": "1"}\n'.encode("utf-8")
+                  + '{"problem": "na\u00efve?", "prompt": "na\u00efve", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(UnisonError) as e:
+        make_task(TaskConfig(name=name, path=str(p), digits=1, train_size=8, eval_size=0))
+    assert str(e.value) == f"data file '{p}' is not UTF-8 text (line 2): re-save it as UTF-8"
+
+
+def test_jsonl_with_a_byte_order_mark_and_line_separators_reads(tmp_path):
+    from unison.data_io import read_jsonl
+
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "a\u2028b"}\n\n{"prompt": "c"}\n'.encode("utf-8"))
+    lines = []
+    assert [r["prompt"] for r in read_jsonl(p, {"prompt": str}, line_numbers=lines)] == ["a\u2028b", "c"]
+    assert lines == [1, 3]

@@ -10,12 +10,28 @@ from pathlib import Path
 from unison.errors import UnisonError
 
 
+def read_text(path: Path, what: str = "data file") -> str:
+    """A UTF-8 text file's contents (a leading byte-order mark is dropped). Bytes that are
+    not UTF-8 are a :class:`UnisonError` naming the file and the line, never a traceback."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        lineno = data[:e.start].count(b"\n") + 1
+        raise UnisonError(f"{what} '{path}' is not UTF-8 text (line {lineno}): "
+                          f"re-save it as UTF-8") from None
+    return text
+
+
 def read_jsonl(path: str | Path, required: dict[str, type | tuple[type, ...]] | None = None,
-               alternatives: dict[str, tuple[str, ...]] | None = None) -> list[dict]:
+               alternatives: dict[str, tuple[str, ...]] | None = None,
+               line_numbers: list[int] | None = None) -> list[dict]:
     """Rows of a JSONL file, each checked to be an object with ``required`` fields and types.
 
     ``alternatives`` maps a required field to other accepted names (the first
-    present wins and is copied under the required name). Blank lines are skipped.
+    present wins and is copied under the required name). Blank lines are skipped;
+    ``line_numbers``, when given, receives the 1-based line of each returned row
+    (for errors that point back into the file). The file must be UTF-8.
     """
     path = Path(path)
     if not path.exists():
@@ -25,32 +41,34 @@ def read_jsonl(path: str | Path, required: dict[str, type | tuple[type, ...]] | 
     required = required or {}
     alternatives = alternatives or {}
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UnisonError(f"{path}:{lineno}: not valid JSON ({e.msg}): "
-                                  f"write one JSON object per line") from e
-            if not isinstance(row, dict):
-                raise UnisonError(f"{path}:{lineno}: expected a JSON object, got "
-                                  f"{type(row).__name__}: write one object per line")
-            for name, typ in required.items():
-                if name not in row:
-                    for alt in alternatives.get(name, ()):
-                        if alt in row:
-                            row[name] = row[alt]
-                            break
-                if name not in row:
-                    names = " or ".join(repr(n) for n in (name, *alternatives.get(name, ())))
-                    raise UnisonError(f"{path}:{lineno}: missing field {names}: add it to every row")
-                if not isinstance(row[name], typ) or isinstance(row[name], bool) and typ is not bool:
-                    want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-                    raise UnisonError(f"{path}:{lineno}: field '{name}' must be {want}, got "
-                                      f"{type(row[name]).__name__}: fix that row")
-            rows.append(row)
+    # split on "\n" only: JSON strings may hold U+2028 and friends, which str.splitlines breaks on
+    for lineno, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UnisonError(f"{path}:{lineno}: not valid JSON ({e.msg}): "
+                              f"write one JSON object per line") from e
+        if not isinstance(row, dict):
+            raise UnisonError(f"{path}:{lineno}: expected a JSON object, got "
+                              f"{type(row).__name__}: write one object per line")
+        for name, typ in required.items():
+            if name not in row:
+                for alt in alternatives.get(name, ()):
+                    if alt in row:
+                        row[name] = row[alt]
+                        break
+            if name not in row:
+                names = " or ".join(repr(n) for n in (name, *alternatives.get(name, ())))
+                raise UnisonError(f"{path}:{lineno}: missing field {names}: add it to every row")
+            if not isinstance(row[name], typ) or isinstance(row[name], bool) and typ is not bool:
+                want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+                raise UnisonError(f"{path}:{lineno}: field '{name}' must be {want}, got "
+                                  f"{type(row[name]).__name__}: fix that row")
+        rows.append(row)
+        if line_numbers is not None:
+            line_numbers.append(lineno)
     if not rows:
         raise UnisonError(f"data file '{path}' has no rows: add at least one JSON object")
     return rows

@@ -4,7 +4,7 @@ Scoring is one full forward pass over prompt + response (never the KV-cache
 path the rollout engine uses): the difference between the two is the
 training–inference mismatch.
 
-The learner owns everything about the update (DESIGN.md, "Scaling out"):
+The learner owns everything about the update (README, "How it is built"; docs/distributed.md):
 the optimizer (AdamW on fp32 master weights), the loss scaler (fp16),
 gradient clipping on the global norm, skipped-step accounting, mini-batch
 steps with micro-batch gradient accumulation, and the gradient-noise hooks.

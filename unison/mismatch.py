@@ -1,6 +1,6 @@
 """Training–inference mismatch metrics: pure functions of (log π, log μ, mask).
 
-Notation (fp16.md, "Measuring the mismatch"): tokens ``y_t`` are sampled from
+Notation (Paper A; docs/papers.md, "Measuring the mismatch"): tokens ``y_t`` are sampled from
 the rollout engine μ; the learner's log-probability of the same token is
 ``log π(y_t)``. Per token ``r_t = log π(y_t) − log μ(y_t)`` and the
 importance ratio ``ρ_t = π/μ = e^{r_t}``. Per response ``R = Σ_t r_t``
@@ -63,7 +63,7 @@ def k3(logp_pi, logp_mu, mask) -> torch.Tensor:
 
 
 def seq_kl(logp_pi, logp_mu, mask) -> torch.Tensor:
-    """Sequence KL[μ‖π] = mean over responses of −Σ_t r_t (fp16.md: 7.64 bf16 vs 0.32 fp16)."""
+    """Sequence KL[μ‖π] = mean over responses of −Σ_t r_t (Paper A: 7.64 bf16 vs 0.32 fp16)."""
     m = mask.float()
     has = (m.sum(-1) > 0).float()
     return (-seq_log_ratio(logp_pi, logp_mu, m) * has).sum() / has.sum().clamp(min=1)
@@ -103,22 +103,27 @@ def log_ppl_diffs(logp_pi, logp_mu, mask) -> torch.Tensor:
 
 
 def chi2_token(logp_pi, logp_mu, mask) -> torch.Tensor:
-    """χ²_token = mean_t(ρ_t²) − 1, ρ_t = e^{r_t}."""
+    """χ²_token = mean_t(ρ_t²) − 1 = mean_t(expm1(2 r_t)), ρ_t = e^{r_t}.
+
+    The expm1 form keeps the digits that ``mean(e^{2r}) − 1`` cancels away: in fp32,
+    e^{2r} rounds to exactly 1 for |r| ≲ 3e-8, so the naive form reports 0 for the tiny
+    mismatch of an fp32 run while this one gives ≈ 2·mean(r).
+    """
     m = mask.float()
     r = log_ratio(logp_pi, logp_mu, m).clamp(-EXP_CLAMP, EXP_CLAMP)
     if m.sum() == 0:
         return torch.zeros(())
-    return _tok_mean(torch.exp(2 * r), m) - 1.0
+    return _tok_mean(torch.expm1(2 * r), m)
 
 
 def chi2_seq(logp_pi, logp_mu, mask) -> torch.Tensor:
-    """χ²_seq = mean_y(ρ(y)²) − 1, ρ(y) = e^{R}, with R clamped to ±EXP_CLAMP."""
+    """χ²_seq = mean_y(ρ(y)²) − 1 = mean_y(expm1(2R)), ρ(y) = e^{R}, R clamped to ±EXP_CLAMP."""
     m = mask.float()
     has = m.sum(-1) > 0
     if not bool(has.any()):
         return torch.zeros(())
     R = seq_log_ratio(logp_pi, logp_mu, m)[has].clamp(-EXP_CLAMP, EXP_CLAMP)
-    return torch.exp(2 * R).mean() - 1.0
+    return torch.expm1(2 * R).mean()
 
 
 def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor,
@@ -127,8 +132,8 @@ def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor,
 
     ``log_ppl_diff`` = mean_y(log PPL_π − log PPL_μ); ``log_ppl_abs_diff`` its
     mean absolute value; ``ppl_ratio`` = mean_y(PPL_π / PPL_μ). Also
-    ``abs_logp_diff_mean/max`` (mean/max |r_t|, the figure ENVIRONMENT.md and
-    TRL report), ``seq_kl_k3`` (see :func:`seq_kl_k3`) and ``num_tokens`` /
+    ``abs_logp_diff_mean/max`` (mean/max |r_t|, the figure TRL
+    reports), ``seq_kl_k3`` (see :func:`seq_kl_k3`) and ``num_tokens`` /
     ``num_sequences``.
     """
     m = mask.float()

@@ -55,7 +55,7 @@ class TinySpec:
     max_position_embeddings: int = 1024
     #: std of the random init. Larger than HF's 0.02 so that an untrained
     #: model has peaked (low-entropy) next-token distributions, as trained
-    #: LMs do; the precision mismatch is then visible (see ENVIRONMENT.md).
+    #: LMs do; the precision mismatch is then visible (the README's `unison probe` section).
     initializer_range: float = 0.1
     seed: int = 0
 
@@ -163,6 +163,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
             f"model directory '{path}' has no config.json: pass a directory saved with "
             f"save_pretrained (config.json, weights, tokenizer files)"
         )
+    model_type(path)  # a broken config.json is named as such, before anything else reads the directory
     return path
 
 

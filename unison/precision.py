@@ -1,6 +1,6 @@
 """Precision as one knob: ``fp32 | bf16 | fp16`` for both engines, with per-engine overrides.
 
-Paper A's recipe (fp16.md, "What FP16 everywhere means"):
+Paper A's recipe (docs/papers.md, "The fp16 recipe"):
 
 * the **rollout engine** holds its weights cast to its dtype and computes in it;
 * the **learner** keeps fp32 master weights and fp32 optimizer state, and runs

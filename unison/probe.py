@@ -20,7 +20,7 @@ from unison.data_io import atomic_write_text, read_jsonl
 from unison.errors import UnisonError
 from unison.learner import Learner
 from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
-from unison.models import load_tokenizer, resolve_model_dir
+from unison.models import load_tokenizer, model_config, resolve_model_dir
 from unison.precision import Precision, parse_precision
 from unison.rollout import SamplingParams, check_engine_available, make_engine, parse_engine
 
@@ -38,14 +38,15 @@ class ProbeConfig:
     device: str = "cpu"
 
 
-def load_prompts(path: str | None) -> list[str]:
-    """Prompt strings from a JSONL file (field ``prompt``, or ``problem``), or the built-in ones."""
+def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
+    """Prompt strings from a JSONL file (field ``prompt``, or ``problem``), or the built-in ones.
+    ``line_numbers``, when given, receives each prompt's line in its file."""
     if path is None:
         ref = resources.files("unison") / "data" / "prompts.jsonl"
         with resources.as_file(ref) as p:
-            rows = read_jsonl(p, {"prompt": str})
+            rows = read_jsonl(p, {"prompt": str}, line_numbers=line_numbers)
     else:
-        rows = read_jsonl(path, {"prompt": str}, {"prompt": ("problem",)})
+        rows = read_jsonl(path, {"prompt": str}, {"prompt": ("problem",)}, line_numbers=line_numbers)
     return [r["prompt"] for r in rows]
 
 
@@ -64,8 +65,22 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-def validate(cfg: ProbeConfig) -> tuple[Path, list[str], list[str], list[str]]:
-    """Check every input before anything runs or is written."""
+@dataclass
+class ProbeInputs:
+    """Everything :func:`validate` checked, ready for :func:`run_probe`."""
+
+    model_dir: Path
+    precisions: list[str]
+    engines: list[str]
+    prompts: list[str]
+    tokenizer: object
+    prompt_ids: list[list[int]]
+
+
+def validate(cfg: ProbeConfig) -> ProbeInputs:
+    """Check every input before anything runs or is written: names, numbers, the prompts
+    file, the model directory, and that every prompt plus ``max_new_tokens`` fits the
+    model's context (``max_position_embeddings``) — before any engine is built."""
     precisions = [parse_precision(p) for p in cfg.precisions]
     engines = [parse_engine(e) for e in cfg.engines]
     for e in engines:
@@ -76,9 +91,21 @@ def validate(cfg: ProbeConfig) -> tuple[Path, list[str], list[str], list[str]]:
         raise UnisonError("--n and --max-new-tokens must be at least 1")
     if cfg.temperature <= 0:
         raise UnisonError(f"--temperature {cfg.temperature} is invalid: the probe needs a positive temperature")
-    prompts = load_prompts(cfg.prompts)
+    lines: list[int] = []
+    prompts = load_prompts(cfg.prompts, line_numbers=lines)
     model_dir = resolve_model_dir(cfg.model)
-    return model_dir, precisions, engines, prompts
+    limit = getattr(model_config(model_dir), "max_position_embeddings", None)
+    tokenizer = load_tokenizer(model_dir)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    if limit is not None:
+        source = cfg.prompts if cfg.prompts is not None else "the built-in prompts"
+        for ids, line in zip(prompt_ids, lines):
+            if len(ids) + cfg.max_new_tokens > limit:
+                raise UnisonError(
+                    f"{source}:{line}: the prompt has {len(ids)} tokens; with --max-new-tokens "
+                    f"{cfg.max_new_tokens} that exceeds the model's context of {limit} "
+                    f"(max_position_embeddings): shorten or drop that prompt, or lower --max-new-tokens")
+    return ProbeInputs(model_dir, precisions, engines, prompts, tokenizer, prompt_ids)
 
 
 def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
@@ -87,9 +114,9 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     ``samples`` (token probabilities and per-response log-ratios, for plots) is
     not part of ``probe.json``.
     """
-    model_dir, precisions, engines, prompts = validate(cfg)
-    tokenizer = load_tokenizer(model_dir)
-    prompt_ids = encode_prompts(tokenizer, prompts)
+    inputs = validate(cfg)
+    model_dir, precisions, engines = inputs.model_dir, inputs.precisions, inputs.engines
+    prompts, prompt_ids = inputs.prompts, inputs.prompt_ids
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                             seed=cfg.seed)
     learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature)

@@ -26,12 +26,32 @@ def _mean(xs):
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
+    """The resolved config and the metrics rows of a run directory, checked: a path that is not
+    a run, a damaged file or a run without a single training step is a :class:`UnisonError`.
+    Metrics are read with :func:`unison.data_io.read_metrics` (a torn last line, the trace of
+    a killed writer, is dropped; a damaged line elsewhere is an error)."""
+    from unison.data_io import read_metrics, read_text
+
     d = Path(run_dir)
-    if not (d / "metrics.jsonl").exists():
+    if not d.is_dir():
+        raise UnisonError(f"'{d}' is not a run directory (no such directory): pass directories "
+                          f"written by unison train or unison sanity")
+    if not (d / "metrics.jsonl").is_file():
         raise UnisonError(f"'{d}' is not a run directory (no metrics.jsonl): pass directories "
                           f"written by unison train or unison sanity")
-    cfg = yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").exists() else {}
-    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    cfg = {}
+    if (d / "config.yaml").is_file():
+        try:
+            cfg = yaml.safe_load(read_text(d / "config.yaml", what="run config")) or {}
+        except yaml.YAMLError as e:
+            raise UnisonError(f"'{d / 'config.yaml'}' is not valid YAML ({str(e).splitlines()[0]}): "
+                              f"restore it from the run's checkpoint or delete it") from e
+        if not isinstance(cfg, dict):
+            raise UnisonError(f"'{d / 'config.yaml'}' is not a mapping of config keys: restore it "
+                              f"or delete it")
+    rows = read_metrics(d / "metrics.jsonl")
+    if not rows:
+        raise UnisonError(f"'{d}' has no training steps in metrics.jsonl: nothing to report")
     return cfg, rows
 
 
@@ -112,6 +132,8 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
         for s, d in zip(summaries, run_dirs):
             s["arm"] = d.name
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [s["arm"] for s in summaries]
     plots = run_plots(run_dirs, out_dir / "plots", labels=labels)

@@ -49,9 +49,14 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     from unison.trainer import Trainer
 
     precisions = [parse_precision(p) for p in precisions]
+    if not precisions:
+        raise UnisonError("--precisions is empty: name at least one of fp32, bf16, fp16")
+    if not algorithms:
+        raise UnisonError(f"--algorithms is empty: name at least one of {', '.join(PRESETS)}")
     for a in algorithms:
         if a not in PRESETS:
             raise UnisonError(f"unknown algorithm '{a}' in --algorithms: choose from {', '.join(PRESETS)}")
+    _preflight(cfg, algorithms)  # every input checked before --out is created
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
 
@@ -101,6 +106,22 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     report = write_report(arm_dirs, out, title="unison sanity test",
                           notes=_notes(cfg, precisions, algorithms, perf))
     return [summarize(d) for d in arm_dirs], report
+
+
+def _preflight(cfg: Config, algorithms: list[str]) -> None:
+    """What the stages would refuse later, refused now: each arm's policy, the model directory,
+    the engine, the task and its data, the reward function."""
+    from unison.algorithms.presets import resolve_policy
+    from unison.models import resolve_model_dir
+    from unison.rollout import check_engine_available
+    from unison.tasks import make_reward, make_task
+
+    for a in algorithms:
+        resolve_policy(a, cfg.policy)
+    resolve_model_dir(cfg.model)
+    mode = getattr(cfg.vllm, "mode", None)  # a vLLM server needs no local vLLM
+    check_engine_available(cfg.engine, *([mode] if mode else []))
+    make_reward(make_task(cfg.task), cfg.task)
 
 
 def _notes(cfg, precisions, algorithms, perf) -> str:

@@ -118,7 +118,7 @@ TRIGGER_SIGNALS = {"length": "response_length/mean", "mismatch": "mismatch/k3",
 
 
 class SurgeDecaySchedule(LRSchedule):
-    """Paper B's length-triggered step decay (lr-schedule.md), with other triggers.
+    """Paper B's length-triggered step decay (docs/lr-schedule.md), with other triggers.
 
         phase 1: η(t) = η0 (after optional linear warmup) until a surge is detected at step t_s
         phase 2: T_decay = round(k · t_s);  η(t) = max(η0 · γ^⌊t' / T_decay⌋, ρ_min · η0)

@@ -5,8 +5,8 @@ are clamped to ±20 before exponentiating (as verl does), so one catastrophic
 token cannot overflow the batch. Each correction maps ``(logp_old, logp_mu,
 mask)`` to per-token weights ``[B, L]`` (0 off the mask; 0 on a masked-out
 token or response) that multiply the policy-loss term, plus metrics.
-Registered by name in ``CORRECTIONS``. Sources: Paper A (fp16.md) and the
-correction family in corrections-and-peers.md.
+Registered by name in ``CORRECTIONS``. Sources: Paper A (docs/papers.md) and the
+peers' correction family; formulas, defaults and peer option names in docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -94,8 +94,16 @@ def seq_mis(logp_old, logp_mu, mask, c: float = 10.0, **_):
 
 
 def geo_rs(logp_old, logp_mu, mask, c: float = 1.01, c_low: float = 0.99, **_):
-    """Geometric-mean rejection (Geo-RS; verl seq_mean_k1): keep a response (w = 1) iff
-    C_low ≤ exp(mean_t log ρ_t) ≤ C, else drop it (w = 0). Bounds are ours to tune."""
+    """Geometric-mean rejection (Geo-RS): keep a response (w = 1) iff
+
+        C_low ≤ (Π_t ρ_t)^{1/T} = exp(mean_t log ρ_t) ≤ C,   ρ_t = π_old(y_t)/μ(y_t),
+
+    else drop it (w = 0). The bounded ratio is π_old/μ. verl's ``rollout_rs: seq_mean_k1``
+    bounds the reciprocal: its statistic is mean_t(−log ρ_t) = log of the geometric mean of
+    μ/π_old, kept in [log lo, log hi] for ``rollout_rs_threshold: "lo_hi"``. So
+    ``geo_rs`` with (c=C, c_low=L) ≡ verl ``seq_mean_k1`` with ``"{1/C}_{1/L}"`` (the defaults
+    [0.99, 1.01] ≡ ``"0.990099_1.010101"``), and verl's ``"lo_hi"`` ≡ c=1/lo, c_low=1/hi.
+    Default bounds are ours (no paper fixes them)."""
     m = mask.float()
     n = m.sum(-1).clamp(min=1)
     geo = (log_rho(logp_old, logp_mu, m).sum(-1) / n).exp()

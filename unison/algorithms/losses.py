@@ -9,7 +9,8 @@ metrics. :func:`aggregate` reduces it with a normaliser computed over the
 whole mini-batch, so gradient accumulation over micro-batches gives exactly
 the mini-batch loss. Registered by name in ``LOSSES``.
 
-Notation (fp16.md): r_t = π_θ(y_t)/π_θ'(y_t) (PPO ratio), ρ_t = π/μ, sg = stop-gradient.
+Notation (Paper A, docs/papers.md): r_t = π_θ(y_t)/π_θ'(y_t) (PPO ratio), ρ_t = π/μ,
+sg = stop-gradient.
 All ratios are formed in log space with exponents clamped to ±20.
 """
 
@@ -31,6 +32,11 @@ def ppo_clip(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.2,
         ℓ_t = −w_t · min(r_t A, clip(r_t, 1−ε, 1+ε_high) A),  r_t = exp(log π_θ − log π_θ')
 
     ``w_t`` is the mismatch correction (e.g. min(ρ_t, C) for Token-TIS).
+
+    Metrics: ``policy/ppo_kl`` = mean_t(−log r_t), the k1 estimate of KL(π_θ'‖π_θ) (verl's
+    ``actor/ppo_kl``; can be negative); ``policy/ppo_kl_k3`` = mean_t(r_t − 1 − log r_t), the
+    non-negative k3 estimate of the same KL; ``policy/clip_fraction`` = tokens whose clipped
+    term is the minimum.
     """
     m = mask.float()
     hi = clip if clip_high is None else clip_high
@@ -43,7 +49,8 @@ def ppo_clip(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.2,
     with torch.no_grad():
         n = m.sum().clamp(min=1)
         metrics = {"policy/clip_fraction": float(((unclipped > clipped) & m.bool()).float().sum() / n),
-                   "policy/ppo_kl": float(((ratio - 1) - log_r).mul(m).sum() / n)}
+                   "policy/ppo_kl": float((-log_r).mul(m).sum() / n),
+                   "policy/ppo_kl_k3": float((torch.expm1(log_r) - log_r).mul(m).sum() / n)}
     return per_token, metrics
 
 

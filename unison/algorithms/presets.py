@@ -1,7 +1,7 @@
 """Algorithm presets named as in Paper A, selected with ``algo: NAME``.
 
 A preset fills every ``policy.*`` field the user left unset. Thresholds are
-the paper's (fp16.md, "Algorithms compared"): Token-TIS C = 2, Seq-MIS C = 10,
+the paper's (docs/papers.md, "Algorithms compared"): Token-TIS C = 2, Seq-MIS C = 10,
 GSPO band [1−3e-4, 1+4e-4], PG-Seq-MIS C = 3, PPO ε = 0.2.
 """
 

@@ -79,8 +79,16 @@ def load_callable(spec: str) -> Callable:
     mod_name, fn_name = spec.split(":", 1)
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
+        if e.name is not None and mod_name != e.name and not mod_name.startswith(e.name + "."):
+            raise UnisonError(f"reward module '{mod_name}' does not import: it needs '{e.name}', "
+                              f"which is not installed") from e
         raise UnisonError(f"cannot import reward module '{mod_name}' ({e}): put it on PYTHONPATH") from e
+    except Exception as e:  # noqa: BLE001 - a SyntaxError or a raising module body is the user's
+        where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) else ""
+        msg = str(e).splitlines()[0][:160] if str(e) else ""
+        raise UnisonError(f"reward module '{mod_name}' does not import{where}: {type(e).__name__}: "
+                          f"{msg}; fix the module") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise UnisonError(f"reward '{spec}': module '{mod_name}' has no function '{fn_name}'")

@@ -38,8 +38,10 @@ class ArithmeticTask(Task):
         if path:  # a fixed prompt set (e.g. from `unison filter`) replaces the generated train split
             from unison.data_io import read_jsonl
 
-            rows = read_jsonl(path, {"prompt": str, "answer": (str, int)})
-            self.train = [Item(prompt=r["prompt"], answer=str(r["answer"])) for r in rows]
+            lines: list[int] = []
+            rows = read_jsonl(path, {"prompt": str, "answer": (str, int)}, line_numbers=lines)
+            self.train = [Item(prompt=r["prompt"], answer=str(r["answer"]), meta={"source": f"{path}:{n}"})
+                          for r, n in zip(rows, lines)]
             taken = {it.prompt for it in self.train}
             self.eval = [it for it in self.eval if it.prompt not in taken]
 
