@@ -55,7 +55,7 @@ def test_train_runs_per_precision_with_contract_metrics(tmp_path, precision, ste
 
 
 def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))} for r in rows]
 
 
 def test_resume_reproduces_an_uninterrupted_run(tmp_path):

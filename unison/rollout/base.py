@@ -1,4 +1,6 @@
-"""Sampling parameters and the token-sampling rule shared by rollout engines.
+"""The rollout-engine interface, sampling parameters and the sampling rule engines share.
+
+Every engine implements :class:`RolloutEngine`; the RL loop sees nothing else.
 
 Sampling is **batch-composition invariant**: the random number behind the
 token of response row ``b`` at step ``t`` is a hash of (row seed, t), and the
@@ -12,10 +14,42 @@ exactly what one process produces for all of them (given equal logits).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from unison.errors import UnisonError
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the loop needs from a rollout engine (μ).
+
+    ``generate`` returns prompt-major :class:`~unison.batch.Completion` objects with log μ of
+    every sampled token. ``sync_weights(learner)`` takes the learner's current weights — a
+    collective when the learner is sharded: every rank calls it; the learner casts to the
+    engine's ``dtype`` on its side. ``sleep``/``wake`` free and restore the engine's GPU memory
+    around the update (no-ops where meaningless). ``dp_rank``/``dp_size``: this process's
+    place among the engine replicas that split a step's prompt groups (the ranks of one
+    tensor-parallel vLLM engine share a replica and generate the same groups).
+    """
+
+    name: str
+    dtype: torch.dtype
+    pad_id: int
+    eos_ids: list[int]
+    dp_rank: int
+    dp_size: int
+
+    def generate(self, prompts: list[list[int]], params: "SamplingParams") -> list: ...
+
+    def sync_weights(self, learner) -> dict[str, float]: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

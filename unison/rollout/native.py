@@ -45,6 +45,24 @@ class NativeEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])})
         self.pad_id = int(self.tokenizer.pad_token_id)
+        from unison.distributed import current
+
+        self.dp_rank, self.dp_size = current().rank, current().world_size  # one engine per rank
+
+    # ------------------------------------------------------ the engine protocol
+    def sync_weights(self, learner) -> dict[str, float]:
+        """Take the learner's weights, cast to this engine's dtype on the learner's side."""
+        self.load_weights(learner.export_weights(self.dtype))
+        return {}
+
+    def sleep(self) -> None:
+        """Nothing to free: the native engine's cache lives only during ``generate``."""
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     # ------------------------------------------------------------------ weights
     @staticmethod

