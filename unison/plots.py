@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from unison.data_io import read_metrics  # noqa: E402
+
 
 def probe_plots(results: list[dict], samples: list[dict], plot_dir: Path) -> list[Path]:
     """π-vs-μ token-probability scatter per arm, and sequence log-ratio against length."""
@@ -76,8 +78,6 @@ def run_plots(run_dirs, out_dir: Path | None = None, labels: list[str] | None = 
     """Curves against step for one or more run directories, overlaid: an overview grid
     (reward, token k3, mean and max |π − μ|, response length, LR, loss scale).
     Written to ``out_dir`` (default: the first run's ``plots/``)."""
-    import json
-
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [Path(run_dirs)]
     run_dirs = [Path(d) for d in run_dirs]
@@ -86,7 +86,7 @@ def run_plots(run_dirs, out_dir: Path | None = None, labels: list[str] | None = 
     out_dir.mkdir(parents=True, exist_ok=True)
     series = []
     for d, label in zip(run_dirs, labels):
-        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = read_metrics(d / "metrics.jsonl")
         series.append((label, rows))
     fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
     for ax, (key, title) in zip(axes.flat, RUN_PANELS):

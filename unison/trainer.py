@@ -377,6 +377,7 @@ class Trainer:
             "optim/lr": lr,
             "optim/loss_scale": self.learner.loss_scale,
             "optim/skipped_steps": self.learner.skipped_steps,
+            "optim/steps": stats.steps,
             "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
             "time/sync_s": t_sync, "time/sleep_s": t_sleep, "time/wake_s": t_wake,
             "time/step_s": step_s, "time/telemetry_s": t_tele,
