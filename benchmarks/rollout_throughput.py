@@ -1,9 +1,11 @@
-"""Rollout throughput: the native KV-cache engine vs Hugging Face ``generate`` (and vLLM).
+"""Rollout throughput: the native engine's fast and generic paths vs Hugging Face ``generate`` (and vLLM).
 
 Same model, same prompts, batch and response length (EOS ignored so both
 produce exactly ``--max-new-tokens`` per response), per dtype, both measured
-in this one run. Prints JSON; compare the ``native_over_hf`` ratios, not the
-absolute numbers (shared machines are noisy). ``--vllm`` adds the vLLM engine
+in this one run. Prints JSON; compare the ``native_over_hf`` (fast path) and
+``generic_over_hf`` (the model's own forward with a DynamicCache, which every
+non-Llama-family architecture takes) ratios, not the absolute numbers (shared
+machines are noisy). ``--vllm`` adds the vLLM engine
 (needs vLLM; ``make install-vllm`` on CPU) and ``vllm_over_hf``.
 
     python benchmarks/rollout_throughput.py [--model DIR] [--batch 32] [--max-new-tokens 128] [--vllm]
@@ -53,6 +55,10 @@ def main() -> None:
         n_tokens = args.batch * args.max_new_tokens
         engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
         t_native = best_of(lambda: engine.generate(prompts, params), args.repeats)
+        generic = make_engine("native", model_dir, dtype)
+        generic.path = "generic"  # the same model through the path every other architecture takes
+        generic.generate(prompts[:2], SamplingParams(max_tokens=4))
+        t_generic = best_of(lambda: generic.generate(prompts, params), args.repeats)
 
         hf = load_model(model_dir, dtype=dtype)
         enc = tok([texts[i % len(texts)] for i in range(args.batch)], return_tensors="pt", padding=True)
@@ -71,6 +77,9 @@ def main() -> None:
             "native_tokens_per_s": round(n_tokens / t_native, 1),
             "hf_generate_tokens_per_s": round(n_tokens / t_hf, 1),
             "native_over_hf": round(t_hf / t_native, 2),
+            "generic_tokens_per_s": round(n_tokens / t_generic, 1),
+            "generic_over_hf": round(t_hf / t_generic, 2),
+            "engine_path": engine.path,
         }
         if args.vllm:
             v = make_engine("vllm", model_dir, dtype, seed=0)

@@ -62,3 +62,25 @@ def test_config_file_that_is_not_utf8_is_one_line(tmp_path):
     bom = tmp_path / "bom.yaml"
     bom.write_bytes(b"\xef\xbb\xbfseed: 3\n")  # a byte-order mark is fine
     assert load_config(bom).seed == 3
+
+
+def test_every_config_key_is_in_the_reference():
+    """docs/config.md names every key of unison/config.py (the reference cannot drift)."""
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from unison.config import Config
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text(encoding="utf-8")
+
+    def leaves(model, prefix=""):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from leaves(ann, prefix + name + ".")
+            else:
+                yield prefix + name
+
+    missing = [k for k in leaves(Config) if f"`{k.rsplit('.', 1)[-1]}`" not in doc and f"`{k}`" not in doc]
+    assert not missing, missing

@@ -164,10 +164,9 @@ KILLER = textwrap.dedent("""
     elif point == "update":           # inside the optimizer update of step 4
         tr = t.learner.train
         t.learner.train = lambda *a, **k: die() if t.step == 3 else tr(*a, **k)
-    elif point == "checkpoint-weights":   # while the step-4 checkpoint writes its model
-        import unison.trainer as T
-        save = T.save_model_dir
-        T.save_model_dir = lambda *a, **k: (save(*a, **k), die()) if t.step == 4 else save(*a, **k)
+    elif point == "checkpoint-weights":   # right after the step-4 checkpoint wrote its model
+        sm = t.learner.save_model
+        t.learner.save_model = lambda p, tok: (sm(p, tok), die()) if t.step == 4 else sm(p, tok)
     elif point == "checkpoint-optimizer":  # while DCP writes the optimizer of step 2
         so = t.learner.save_optimizer
         t.learner.save_optimizer = lambda p: die() if t.step == 2 else so(p)

@@ -33,6 +33,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS) or "length" (max tokens)
     prompt_index: int = 0
     sample_index: int = 0
+    #: MoE models: the experts each input token selected in the engine, [inputs, layers, k]
+    #: (inputs = prompt + response − 1: the last token is never fed back)
+    routing: torch.Tensor | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -77,26 +80,40 @@ class RolloutBatch:
         return RolloutBatch(**out)
 
 
-def collate(completions: list[Completion], pad_id: int) -> RolloutBatch:
-    """Right-pad completions into a :class:`RolloutBatch`."""
+def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] | None = None) -> RolloutBatch:
+    """Pad completions into a :class:`RolloutBatch`: prompts at column 0, right-padded; or, with
+    ``layout = (prompt_width, total)`` (exact mode), every prompt left-padded to end at column
+    ``prompt_width`` and every row ``total`` wide — the rollout engine's cache layout."""
     if not completions:
         raise ValueError("collate needs at least one completion")
     B = len(completions)
-    L = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+    L = max(len(c.prompt_ids) + len(c.token_ids) for c in completions) if layout is None else layout[1]
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
     attention = torch.zeros((B, L), dtype=torch.long)
     resp = torch.zeros((B, L), dtype=torch.float32)
     logp_mu = torch.zeros((B, L), dtype=torch.float32)
     for i, c in enumerate(completions):
         p, r = len(c.prompt_ids), len(c.token_ids)
-        tokens[i, :p] = torch.tensor(c.prompt_ids, dtype=torch.long)
+        s = 0 if layout is None else layout[0] - p  # where the prompt starts
+        if s < 0 or s + p + r > L:
+            raise ValueError(f"completion {i} ({p} + {r} tokens) does not fit the layout {layout}")
+        tokens[i, s:s + p] = torch.tensor(c.prompt_ids, dtype=torch.long)
         if r:
-            tokens[i, p:p + r] = torch.tensor(c.token_ids, dtype=torch.long)
-            logp_mu[i, p:p + r] = torch.tensor(c.logprobs, dtype=torch.float32)
-            resp[i, p:p + r] = 1.0
-        attention[i, :p + r] = 1
+            tokens[i, s + p:s + p + r] = torch.tensor(c.token_ids, dtype=torch.long)
+            logp_mu[i, s + p:s + p + r] = torch.tensor(c.logprobs, dtype=torch.float32)
+            resp[i, s + p:s + p + r] = 1.0
+        attention[i, s:s + p + r] = 1
+    extras = {}
+    if any(c.routing is not None for c in completions):  # [B, L, layers, k], -1 where unknown
+        shape = next(c.routing for c in completions if c.routing is not None).shape[1:]
+        routing = torch.full((B, L, *shape), -1, dtype=torch.int64)
+        for i, c in enumerate(completions):
+            if c.routing is not None:
+                s = 0 if layout is None else layout[0] - len(c.prompt_ids)
+                routing[i, s:s + c.routing.shape[0]] = c.routing.long()
+        extras["routing"] = routing
     return RolloutBatch(
-        tokens=tokens, attention_mask=attention, response_mask=resp, logp_mu=logp_mu,
+        tokens=tokens, attention_mask=attention, response_mask=resp, logp_mu=logp_mu, extras=extras,
         prompt_lens=torch.tensor([len(c.prompt_ids) for c in completions]),
         response_lens=torch.tensor([len(c.token_ids) for c in completions]),
         group_ids=torch.tensor([c.prompt_index for c in completions]),

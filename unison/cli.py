@@ -30,6 +30,13 @@ def _add_probe(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--param-dtype", default="fp32",
+                   help="learner numerics, comma-separated: fp32 (fp32 parameters under autocast, one-process "
+                        "training) and/or compute (parameters cast to the compute dtype, as FSDP2 under "
+                        "torchrun) (default: fp32)")
+    p.add_argument("--exact", action="store_true",
+                   help="also run each precision in exact mode (native engine; docs/exact.md): the engine and "
+                        "the learner share one forward, so the mismatch should be exactly 0")
     p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
     p.set_defaults(func=cmd_probe)
 
@@ -41,15 +48,17 @@ def cmd_probe(args) -> int:
 
     cfg = ProbeConfig(model=args.model, prompts=args.prompts, precisions=_csv(args.precision),
                       engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, seed=args.seed, device=args.device)
+                      temperature=args.temperature, seed=args.seed, device=args.device,
+                      param_dtypes=_csv(args.param_dtype), exact=args.exact)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
     out = run_probe(cfg)
     written = write_outputs(out, out_dir)
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 170))
     console.print(format_table(out["results"], out["timings"]))
-    by = {(r["engine"], r["precision"]): r for r in out["results"]}
+    by = {(r["engine"], r["precision"]): r for r in out["results"]
+          if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"]}
     for eng in cfg.engines:
         bf, fp = by.get((eng, "bf16")), by.get((eng, "fp16"))
         if bf and fp:
@@ -153,7 +162,9 @@ def _add_sanity(sub) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help="YAML overriding the built-in sanity recipe (unison/sanity.py DEFAULTS)")
     p.add_argument("--out", default="runs/sanity", help="output directory (default: runs/sanity)")
-    p.add_argument("--precisions", default="fp16,bf16,fp32", help="comma-separated (default: fp16,bf16,fp32)")
+    p.add_argument("--precisions", default="fp16,bf16,fp32",
+                   help="comma-separated; a -exact suffix runs that arm in exact mode, e.g. "
+                        "fp16,bf16,fp32,bf16-exact (default: fp16,bf16,fp32)")
     p.add_argument("--algorithms", default="grpo", help="comma-separated presets (default: grpo)")
     p.add_argument("--k", type=int, default=8, help="filter: samples per prompt (default: 8)")
     p.add_argument("--band", default=None, metavar="LO,HI", help="filter: pass-rate band (default: 0<p<1)")

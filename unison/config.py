@@ -169,6 +169,9 @@ class TrainConfig(_Section):
     #: positions per chunk of the output layer when computing log-probs (0 = all at once): the
     #: [positions, vocab] logits never exist for more than this many positions at a time
     logprob_chunk: int = Field(512, ge=0)
+    #: recompute each decoder layer's activations in the backward pass instead of keeping them
+    #: (activation checkpointing): far less memory for long sequences, ~30% more compute
+    activation_checkpointing: bool = False
     #: with one mini-batch (one optimizer step per rollout, θ = θ_old), take log π_old and the
     #: mismatch from the training forward instead of a separate score pass (one forward fewer)
     fuse_score_pass: bool = True
@@ -213,6 +216,32 @@ class DistributedConfig(_Section):
     param_dtype: Literal["compute", "fp32"] | None = None
     #: seconds any collective may wait before the job fails (a rank that died): default 600
     timeout_s: float | None = Field(None, gt=0)
+
+
+class LoRAConfig(_Section):
+    """LoRA adapters via PEFT (``rank`` > 0): the learner trains only the adapters (fp32); the
+    rollout engine gets the merged weights W + (α/r)·B·A after each update; checkpoints hold
+    the adapters in PEFT's format."""
+
+    #: adapter rank; 0 = full fine-tuning (Paper A's LoRA recipe: 1)
+    rank: int = Field(0, ge=0)
+    #: scaling numerator: the update is (alpha / rank)·B·A (Paper A: 2)
+    alpha: float = Field(16.0, gt=0)
+    #: dropout on the adapter input, in training forwards only (0 keeps π_θ = π_old exactly)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    #: module names to adapt (suffixes, e.g. [q_proj, v_proj]) or "all-linear"
+    target_modules: list[str] | str = "all-linear"
+
+
+class MoEConfig(_Section):
+    """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE); ignored for dense models."""
+
+    #: the learner uses the rollout engine's expert choices (Rollout Routing Replay); the weights
+    #: are the learner's own router probabilities at those experts
+    routing_replay: bool = False
+    #: weight of the router's load-balancing loss in RL (off by default: RL rewards, not balance,
+    #: should move the router; the model's config value, e.g. 0.001, restores pre-training behaviour)
+    aux_loss_coef: float = Field(0.0, ge=0)
 
 
 class SFTConfig(_Section):
@@ -263,6 +292,9 @@ class Config(_Section):
     learner_precision: str | None = None
     #: rollout engine: native (built-in KV-cache sampler) | vllm (needs vLLM installed; options in `vllm`)
     engine: str = "native"
+    #: exact mode (docs/exact.md): the native engine and the learner share one forward and one
+    #: layout, so log μ == log π_old == log π_θ bit for bit (native engine; Llama/Mistral/Qwen2/Qwen3)
+    exact: bool = False
     #: preset (unison/algorithms/presets.py): grpo, grpo_token_tis, grpo_seq_mis, gspo,
     #: pg_seq_is, pg_seq_mis, pg_token_is
     algo: str = "grpo"
@@ -277,6 +309,8 @@ class Config(_Section):
     sft: SFTConfig = SFTConfig()
     vllm: VLLMConfig = VLLMConfig()
     distributed: DistributedConfig = DistributedConfig()
+    moe: MoEConfig = MoEConfig()
+    lora: LoRAConfig = LoRAConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
 

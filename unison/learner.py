@@ -92,10 +92,14 @@ class PolicyForward(torch.nn.Module):
     parameters, embedding and output layer, in its forward).
     """
 
-    def __init__(self, lm: torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module, aux_loss_coef: float = 0.0):
         super().__init__()
         self.lm = lm
         self._transform = _logit_transform(lm.config)
+        #: MoE: when > 0, training forwards also compute the router's load-balancing loss
+        #: (``last_aux_loss``), which the learner adds with this weight
+        self.aux_loss_coef = aux_loss_coef
+        self.last_aux_loss: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor | None = None,
                 temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, return_entropy: bool = False,
@@ -105,8 +109,11 @@ class PolicyForward(torch.nn.Module):
             return torch.func.functional_call(self, params, (tokens, attention_mask, positions, temperature,
                                                              chunk, return_entropy))
         B, L = tokens.shape
-        out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False)
+        aux = self.aux_loss_coef > 0 and torch.is_grad_enabled()
+        kwargs = {"output_router_logits": True} if aux else {}
+        out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **kwargs)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        self.last_aux_loss = _load_balancing_loss(self.lm, out.router_logits, attention_mask) if aux else None
         sel = attention_mask[:, 1:].bool()
         if positions is not None:
             sel = sel & positions[:, 1:].bool()
@@ -131,6 +138,17 @@ class PolicyForward(torch.nn.Module):
         if ents and ents[0] is not None:
             ent = ent.masked_scatter(sel, torch.cat(ents))
         return logp, F.pad(ent, (1, 0))
+
+
+def _load_balancing_loss(lm, router_logits, attention_mask) -> torch.Tensor:
+    """The model's own Switch-style load-balancing loss (transformers' ``load_balancing_loss_func``
+    of its modeling module), over real tokens."""
+    import sys
+
+    fn = sys.modules[type(lm).__module__].load_balancing_loss_func
+    cfg = lm.config
+    n_exp = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+    return fn(router_logits, n_exp, cfg.num_experts_per_tok, attention_mask)
 
 
 def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
@@ -173,6 +191,8 @@ class UpdateStats:
     logp_first: torch.Tensor
     first_rows: torch.Tensor
     noise_terms: list[dict] = field(default_factory=list)
+    #: MoE: the learner's expert choices in the first mini-batch's forward, [B, L, layers, k]
+    routing_first: torch.Tensor | None = None
 
 
 class GradNoiseProbe:
@@ -222,7 +242,9 @@ class Learner:
 
     def __init__(self, model_dir: str | Path, compute_dtype: torch.dtype = torch.float32,
                  device: str = "cpu", temperature: float = 1.0, dist: Dist | None = None,
-                 param_dtype: str = "fp32", micro_batch_size: int = 16, logprob_chunk: int = DEFAULT_CHUNK):
+                 param_dtype: str = "fp32", micro_batch_size: int = 16, logprob_chunk: int = DEFAULT_CHUNK,
+                 routing_replay: bool = False, aux_loss_coef: float = 0.0, lora_cfg=None, exact: bool = False,
+                 activation_checkpointing: bool = False):
         self.model_dir = Path(model_dir)
         self.dist = dist or current()
         self.device = self.dist.device if self.dist.enabled else torch.device(device)
@@ -232,7 +254,34 @@ class Learner:
         self.logprob_chunk = logprob_chunk
         self.model = load_model(self.model_dir, dtype=torch.float32, device=str(self.device))  # masters
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.forward_module = PolicyForward(self.model)
+        self.peft = None
+        if lora_cfg is not None and lora_cfg.rank > 0:  # adapters injected in place; only they train
+            from unison import lora
+
+            self.peft = lora.apply(self.model, lora_cfg, self.model_dir)
+        self.forward_module = PolicyForward(self.model, aux_loss_coef=aux_loss_coef)
+        #: exact mode: the forward shared with the native engine (unison/exact.py)
+        self.exact = None
+        if exact:
+            from unison.exact import ExactForward
+
+            if self.dist.enabled:
+                raise UnisonError("exact mode runs in one process (FSDP gathers weights through its own hooks): "
+                                  "launch without torchrun, or set exact=false")
+            if self.peft is not None:
+                raise UnisonError("exact mode does not take LoRA adapters yet (the engine would need the merged "
+                                  "weights computed as the learner computes them): set lora.rank=0 or exact=false")
+            self.exact = ExactForward(self.model)
+        from unison import moe
+
+        #: MoE: record the learner's expert choices (router disagreement); replay the rollout's
+        self.moe = bool(moe.routers(self.model))
+        self.routing_replay = routing_replay and self.moe
+        #: [B, L, layers, k] expert choices of the last score pass (MoE models), else None
+        self.last_routing: torch.Tensor | None = None
+        if activation_checkpointing:
+            for layer in decoder_layers(self.model):
+                _checkpoint_layer(layer)
         self.sharded = self.dist.enabled
         #: parameters cast to the compute dtype for the forward, no autocast (FSDP2's mixed precision
         #: under torchrun; one process does the same cast itself). Else fp32 parameters under autocast.
@@ -256,7 +305,9 @@ class Learner:
         self = cls(model_dir, compute_dtype=prec.learner_dtype, device=cfg.device,
                    temperature=cfg.rollout.temperature, dist=dist,
                    param_dtype=(cfg.distributed.param_dtype or "compute") if (dist or current()).enabled else "fp32",
-                   micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk)
+                   micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk,
+                   routing_replay=cfg.moe.routing_replay, aux_loss_coef=cfg.moe.aux_loss_coef, lora_cfg=cfg.lora,
+                   exact=cfg.exact, activation_checkpointing=t.activation_checkpointing)
         self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.params = [p for p in self.forward_module.parameters() if p.requires_grad]
@@ -275,15 +326,38 @@ class Learner:
         return self
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, batch: RolloutBatch, rows: torch.Tensor, return_entropy: bool):
+    def _forward(self, batch: RolloutBatch, rows: torch.Tensor, return_entropy: bool,
+                 routing_out: torch.Tensor | None = None):
+        if self.exact is not None:  # the engine's forward, on the engine's layout, weights cast to its dtype
+            from unison.exact import learner_logprobs
+
+            lp, ent = learner_logprobs(self.exact, self.exact.weights(self.compute_dtype),
+                                       batch.tokens[rows].to(self.device),
+                                       batch.attention_mask[rows].to(self.device).bool(),
+                                       batch.response_mask[rows].to(self.device), self.temperature,
+                                       self.logprob_chunk, return_entropy)
+            return (lp, ent) if return_entropy else lp
         args = (batch.tokens[rows], batch.attention_mask[rows], self.temperature)
         kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows], chunk=self.logprob_chunk)
         if not self.cast_params:
-            return token_logprobs(self.forward_module, *args, self.compute_dtype, self.device, **kw)
-        if self.sharded:  # FSDP2 all-gathers the parameters in the compute dtype
-            return token_logprobs(self.forward_module, *args, torch.float32, self.device, **kw)
-        # one process: the same cast, differentiable back to the fp32 masters
-        return token_logprobs(self.forward_module, *args, torch.float32, self.device, cast_to=self.compute_dtype, **kw)
+            dt, kw["cast_to"] = self.compute_dtype, None
+        elif self.sharded:  # FSDP2 all-gathers the parameters in the compute dtype
+            dt, kw["cast_to"] = torch.float32, None
+        else:  # one process: the same cast, differentiable back to the fp32 masters
+            dt, kw["cast_to"] = torch.float32, self.compute_dtype
+        if not self.moe:
+            return token_logprobs(self.forward_module, *args, dt, self.device, **kw)
+        from unison import moe
+
+        calls: list[torch.Tensor] = []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(moe.record(self.model, calls))  # before replay: sees the learner's own choice
+            if self.routing_replay and "routing" in batch.extras:
+                stack.enter_context(moe.replay(self.model, _replay_indices(batch.extras["routing"][rows])))
+            result = token_logprobs(self.forward_module, *args, dt, self.device, **kw)
+        if routing_out is not None and calls:
+            routing_out[rows] = calls[-1].view(len(rows), batch.tokens.shape[1], *calls[-1].shape[1:])
+        return result
 
     def _shares(self, rows: torch.Tensor) -> list[list[torch.Tensor]]:
         """Each rank's micro-batches of ``rows``: rank r takes rows[r::world], split into
@@ -302,12 +376,29 @@ class Learner:
         mine = shares[self.dist.rank]
         n_fwd = max(len(s) for s in shares)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        routing = self._routing_buffer(batch)
         for i in range(n_fwd):  # every rank runs the same number of forwards (FSDP collectives)
             rows = mine[i] if i < len(mine) else torch.arange(1)
-            lp = self._forward(batch, rows, return_entropy=False)
+            lp = self._forward(batch, rows, return_entropy=False, routing_out=routing if i < len(mine) else None)
             if i < len(mine):
                 out[rows] = lp.float().cpu() * batch.response_mask[rows]
+        self.last_routing = self._gather_routing(routing)
         return self.dist.all_reduce_(out, "sum")  # each rank filled only its own rows
+
+    def _routing_buffer(self, batch: RolloutBatch) -> torch.Tensor | None:
+        if not self.moe:
+            return None
+        from unison import moe
+
+        n_layers, k = len(moe.routers(self.model)), moe.top_k(self.model)
+        return torch.full((*batch.tokens.shape, n_layers, k), -1, dtype=torch.int64)
+
+    def _gather_routing(self, routing: torch.Tensor | None) -> torch.Tensor | None:
+        """Every rank's rows of a routing buffer (-1 elsewhere) on every rank."""
+        if routing is None or not self.dist.enabled:
+            return routing
+        shifted = routing + 1  # rows nobody filled stay 0, so the sum over ranks is the union
+        return self.dist.all_reduce_(shifted, "sum") - 1
 
     # ----------------------------------------------------------------- update
     def train(self, batch: RolloutBatch, weights, lr: float, seed: int = 0) -> UpdateStats:
@@ -329,6 +420,11 @@ class Learner:
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.model.eval()  # dropout off in every forward, as in the score pass (TRL: disable_dropout)
+        if self.peft is not None:  # except LoRA's own dropout, when configured, in training forwards
+            from unison import lora
+
+            for d in lora.dropout_modules(self.model):
+                d.train()
         loss_fn, loss_kw = LOSSES[pol["loss"]], loss_kwargs(pol)
         order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
         minis = list(order.tensor_split(min(t.mini_batches, batch.size)))  # exactly that many, sizes ±1
@@ -338,6 +434,8 @@ class Learner:
         grad_norms, noise_terms, n_opt, skipped = [], [], 0, 0
         first_rows = minis[0]
         logp_first = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        routing_first = self._routing_buffer(batch)
+        aux_coef = self.forward_module.aux_loss_coef if self.moe else 0.0
         for mb_i, mb in enumerate(minis):
             n_tok, n_seq = int(batch.response_mask[mb].sum()), len(mb)
             shares = self._shares(mb)
@@ -352,12 +450,18 @@ class Learner:
                 dummy = i >= len(mine)  # this rank has no rows left: a zero-weight forward keeps FSDP in step
                 rows = mb[:1] if dummy else mine[i]
                 m = batch.response_mask[rows].to(self.device)
-                logp, ent = self._forward(batch, rows, return_entropy=True)
+                first = mb_i == 0 and not dummy
+                logp, ent = self._forward(batch, rows, return_entropy=True,
+                                          routing_out=routing_first if first else None)
                 mu = batch.logp_mu[rows].to(self.device)
                 old = logp.detach() if batch.logp_old is None else batch.logp_old[rows].to(self.device)
                 w = weights(old, mu, m) if callable(weights) else weights[rows].to(self.device)
                 per_tok, lm = loss_fn(logp, old, mu, batch.advantages[rows].to(self.device), w, m, **loss_kw)
                 loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, self.max_new_tokens)
+                if aux_coef:  # the router's load-balancing loss, weighted by this micro-batch's share of rows
+                    aux = self.forward_module.last_aux_loss
+                    loss = loss + aux_coef * aux * (len(rows) / n_seq)
+                    lm = {**lm, "moe/aux_loss": float(aux.detach())}
                 share = 0.0 if dummy else 1.0
                 self.scaler.scale(loss * (ws * share)).backward()
                 loss_sum += float(loss.detach()) * share
@@ -370,7 +474,7 @@ class Learner:
                         local[k] = local.get(k, 0.0) + v * frac
                 if track:
                     self.noise.after_micro_backward(self._micro_units(batch, shares, i, per_token_units))
-                if mb_i == 0 and not dummy:
+                if first:
                     logp_first[rows] = logp.detach().float().cpu() * batch.response_mask[rows]
             red = self._reduce({"loss": loss_sum, "ent": ent_sum, **local})
             scale_used = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
@@ -394,12 +498,14 @@ class Learner:
             for k, v in red.items():
                 sums[k] = sums.get(k, 0.0) + v / len(minis)
         self.skipped_steps += skipped
+        self.model.eval()
         for k, v in self._reduce(maxes, op="max").items():
             sums[k] = v
         sums["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         self.dist.all_reduce_(logp_first, "sum")  # each rank filled only its own rows
         return UpdateStats(metrics=sums, steps=n_opt, skipped=skipped, logp_first=logp_first,
-                           first_rows=first_rows, noise_terms=[x for x in noise_terms if x])
+                           first_rows=first_rows, noise_terms=[x for x in noise_terms if x],
+                           routing_first=self._gather_routing(routing_first))
 
     def _micro_units(self, batch, shares, i, per_token: bool) -> float:
         """Size of micro-step ``i`` over all ranks, in tokens or responses."""
@@ -430,9 +536,15 @@ class Learner:
     # ----------------------------------------------------------------- export
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` for every parameter, cast to ``dtype`` (the rollout dtype) here
-        on the learner's side. Collective when sharded: every rank must iterate it to the end."""
-        for name, p in self.model.named_parameters():
-            t = full_tensor(p.detach())
+        on the learner's side. Collective when sharded: every rank must iterate it to the end.
+        With LoRA: the merged weights W + (α/r)·B·A under the base model's names."""
+        if self.peft is not None:
+            from unison import lora
+
+            params = lora.merged_weights(self.model, full_tensor)
+        else:
+            params = ((n, full_tensor(p.detach())) for n, p in self.model.named_parameters())
+        for name, t in params:
             yield name, (t if dtype is None else t.to(dtype))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -447,6 +559,43 @@ class Learner:
         sd = get_model_state_dict(self.forward_module,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k[len("lm."):]: v for k, v in sd.items()}
+
+    def save_model(self, path: Path, tokenizer) -> None:
+        """The model for others to load (collective; rank 0 writes): a Hugging Face directory
+        with the full weights, or with LoRA the adapters in PEFT's format (+ the tokenizer)."""
+        weights = self.full_state_dict()
+        if self.dist.is_main:
+            from unison.models import save_model_dir
+
+            if self.peft is not None:
+                from unison import lora
+
+                lora.save(self.peft, weights, path)
+                tokenizer.save_pretrained(path)
+            else:
+                save_model_dir(self.model, tokenizer, path, state_dict=weights)
+
+    def read_model(self, path: Path) -> dict[str, torch.Tensor]:
+        """The weights :meth:`save_model` wrote (rank 0 reads; the others get ``{}``). Raises
+        on a file that cannot be read; :class:`UnisonError` when they do not fit this model."""
+        if not self.dist.is_main:
+            return {}
+        from safetensors.torch import load_file
+
+        if self.peft is not None:
+            from unison import lora
+
+            weights = lora.load(path)
+            expected = {n for n, p in self.model.named_parameters() if ".lora_" in n}
+            if set(weights) != expected:
+                raise UnisonError(f"checkpoint '{path}' holds other adapters than lora.* describes: resume "
+                                  f"with the run's own config")
+            return weights
+        weights = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(f))
+        check_model_keys(self.model, weights, str(path))
+        return weights
 
     def load_full_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named full weights (read on rank 0 when sharded; others pass ``{}``)."""
@@ -492,6 +641,30 @@ def _quiet_dcp():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _checkpoint_layer(layer: torch.nn.Module) -> None:
+    """Make ``layer`` recompute its activations in the backward pass (non-reentrant checkpoint),
+    whatever the module's train/eval mode (the learner runs in eval mode: no dropout)."""
+    inner = layer.forward
+
+    def forward(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return inner(*args, **kwargs)
+
+    layer.forward = forward
+
+
+def _replay_indices(routing: torch.Tensor) -> torch.Tensor:
+    """The rollout's expert choices [rows, L, layers, k] as the flattened [rows·L, layers, k] a
+    router sees; positions the rollout never fed (padding, the last token) get experts 0..k-1,
+    whose outputs nothing reads."""
+    r = routing.clone()
+    fill = torch.arange(r.shape[-1]).expand_as(r)
+    unknown = (r < 0).any(-1, keepdim=True).expand_as(r)
+    r[unknown] = fill[unknown]
+    return r.reshape(-1, *r.shape[2:])
 
 
 def check_model_keys(model, weights: dict, where: str) -> None:

@@ -133,7 +133,8 @@ def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor,
     ``log_ppl_diff`` = mean_y(log PPL_π − log PPL_μ); ``log_ppl_abs_diff`` its
     mean absolute value; ``ppl_ratio`` = mean_y(PPL_π / PPL_μ). Also
     ``abs_logp_diff_mean/max`` (mean/max |r_t|, the figure TRL
-    reports), ``seq_kl_k3`` (see :func:`seq_kl_k3`) and ``num_tokens`` /
+    reports), ``seq_kl_k3`` (see :func:`seq_kl_k3`), ``identical_fraction`` (the share of
+    tokens whose log π and log μ are bitwise equal: 1.0 in exact mode) and ``num_tokens`` /
     ``num_sequences``.
     """
     m = mask.float()
@@ -161,9 +162,21 @@ def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor,
         "mismatch/chi2_seq": chi2_seq(logp_pi, logp_mu, m),
     }
     metrics = {k: float(v) for k, v in out.items()}
+    sel = m.bool()
+    metrics["mismatch/identical_fraction"] = (float((logp_pi[sel] == logp_mu[sel]).float().mean())
+                                              if bool(sel.any()) else 1.0)
     metrics["mismatch/num_tokens"] = int(m.sum())
     metrics["mismatch/num_sequences"] = int(has.sum())
     return metrics
+
+
+def first_difference(logp_pi: torch.Tensor, logp_mu: torch.Tensor, mask: torch.Tensor) -> str | None:
+    """Where log π and log μ first differ bitwise on the mask (``None`` if nowhere)."""
+    diff = (logp_pi != logp_mu) & mask.bool()
+    if not bool(diff.any()):
+        return None
+    b, t = (int(x) for x in diff.nonzero()[0])
+    return f"row {b}, position {t}: log π {float(logp_pi[b, t])!r} vs log μ {float(logp_mu[b, t])!r}"
 
 
 def length_slope(seq_log_ratios, lengths, per: int = 1000) -> float | None:

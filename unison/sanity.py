@@ -43,12 +43,11 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
                band=None, max_prompts: int | None = 32, log=lambda m: print(m, file=sys.stderr, flush=True)):
     from unison.algorithms.presets import PRESETS
     from unison.filter import run_filter
-    from unison.precision import parse_precision
     from unison.report import summarize, write_report
     from unison.sft import run_sft
     from unison.trainer import Trainer
 
-    precisions = [parse_precision(p) for p in precisions]
+    precisions = [parse_arm_precision(p) for p in precisions]
     if not precisions:
         raise UnisonError("--precisions is empty: name at least one of fp32, bf16, fp16")
     if not algorithms:
@@ -84,8 +83,10 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
         name = f"{prec}-{algo}"
         run_dir = out / "arms" / name
         arm_dirs.append(run_dir)
+        exact = prec.endswith("-exact")
         arm_cfg = config_from_dict(merge(rl_base.model_dump(mode="json"),
-                                         {"precision": prec, "algo": algo, "task": {"path": str(perf)}}))
+                                         {"precision": prec.removesuffix("-exact"), "exact": exact, "algo": algo,
+                                          "task": {"path": str(perf)}}))
         log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} ({cfg.train.steps} steps)")
         trainer = Trainer(arm_cfg, run_dir, resume=run_dir.exists(), log=log)
         t_arm, start = time.perf_counter(), trainer.step
@@ -106,6 +107,16 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     report = write_report(arm_dirs, out, title="unison sanity test",
                           notes=_notes(cfg, precisions, algorithms, perf))
     return [summarize(d) for d in arm_dirs], report
+
+
+def parse_arm_precision(name: str) -> str:
+    """``fp32 | bf16 | fp16``, optionally with ``-exact`` (the arm runs in exact mode)."""
+    from unison.precision import parse_precision
+
+    text = str(name).strip().lower()
+    if text.endswith("-exact"):
+        return parse_precision(text.removesuffix("-exact")) + "-exact"
+    return parse_precision(text)
 
 
 def _preflight(cfg: Config, algorithms: list[str]) -> None:

@@ -40,9 +40,9 @@ from unison.config import Config, dump_config
 from unison.data_io import atomic_write_text, read_metrics
 from unison.distributed import init_distributed, under_torchrun
 from unison.errors import UnisonError
-from unison.learner import Learner, check_model_keys
+from unison.learner import Learner
 from unison.mismatch import mismatch_metrics
-from unison.models import load_tokenizer, model_config, resolve_model_dir, save_model_dir
+from unison.models import load_tokenizer, model_config, resolve_model_dir
 from unison.precision import Precision
 from unison.rollout import SamplingParams, check_engine_available, make_engine, preflight_engine
 from unison.rollout.base import mix64
@@ -102,6 +102,8 @@ class Trainer:
         # ---- everything that can be checked is checked before the run directory is touched
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
+        if cfg.exact:
+            self._check_exact_settings()
         model_dir = resolve_model_dir(cfg.model)
         check_engine_available(cfg.engine, cfg.vllm.mode)
         self.task = make_task(cfg.task)
@@ -112,6 +114,7 @@ class Trainer:
         self._check_context(model_dir)
         self._max_len = max(len(p) for p in self.prompt_ids) + cfg.rollout.max_new_tokens
         preflight_engine(cfg.engine, model_dir, self._max_len)
+        self.layout = self._check_exact(model_dir) if cfg.exact else None
         self._check_run_dir(resume)
 
         torch.manual_seed(cfg.seed)
@@ -119,7 +122,8 @@ class Trainer:
         vopts = cfg.vllm.model_dump()
         vopts["sync_dir"] = vopts["sync_dir"] or str(self.run_dir / "weight_sync")
         self.engine = make_engine(cfg.engine, model_dir, self.prec.rollout_dtype, device=str(self.learner.device),
-                                  seed=cfg.seed, max_len=self._max_len, **vopts)
+                                  seed=cfg.seed, max_len=self._max_len, exact=cfg.exact,
+                                  prompt_width=self.layout[0] if self.layout else None, **vopts)
         self.schedule = make_schedule(cfg.train)
         self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         self.sampler = PromptSampler(len(self.task.train), cfg.seed)
@@ -166,6 +170,30 @@ class Trainer:
                 f"{where}: the prompt has {len(self.prompt_ids[longest])} tokens; with "
                 f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} that exceeds the model's "
                 f"context of {limit}: lower rollout.max_new_tokens or drop long prompts")
+
+    def _check_exact(self, model_dir: Path) -> tuple[int, int]:
+        """The model family exact mode needs; the fixed layout (prompt width, total length) the
+        engine's cache and the learner's batches share."""
+        from unison.exact import check_supported
+
+        check_supported(model_config(model_dir))
+        eval_ids = [self.task.encode(self.tokenizer, it) for it in self.task.eval] if self.cfg.train.eval_every else []
+        width = max(len(p) for p in self.prompt_ids + eval_ids)
+        return width, width + self.cfg.rollout.max_new_tokens
+
+    def _check_exact_settings(self) -> None:
+        """Exact mode's requirements on the config, checked first."""
+        cfg = self.cfg
+        if cfg.engine != "native":
+            raise UnisonError(f"exact mode needs the native engine (engine is '{cfg.engine}'): set engine=native "
+                              f"or exact=false")
+        if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k:
+            raise UnisonError("exact mode samples from the full distribution the learner scores: set "
+                              "rollout.top_p=1 and rollout.top_k=0")
+        if under_torchrun():
+            raise UnisonError("exact mode runs in one process: launch without torchrun, or set exact=false")
+        if cfg.lora.rank:
+            raise UnisonError("exact mode does not take LoRA adapters yet: set lora.rank=0 or exact=false")
 
     def _check_run_dir(self, resume: bool) -> None:
         """Read-only: refuse an occupied --out without --resume, and a resume of another config."""
@@ -316,7 +344,7 @@ class Trainer:
 
         if cfg.log.rollouts and self.dist.is_main:
             self._write_rollouts(step + 1, comps, rewards)
-        batch = collate(comps, self.engine.pad_id)
+        batch = collate(comps, self.engine.pad_id, layout=self.layout)
         batch.rewards = torch.tensor(rewards, dtype=torch.float32)
         batch.advantages = ADVANTAGES[pol["advantage"]](batch.rewards, batch.group_ids)
         mask = batch.response_mask
@@ -356,6 +384,19 @@ class Trainer:
             mm = mismatch_metrics(stats.logp_first[rows], batch.logp_mu[rows], mask[rows])
         else:
             mm = mismatch_metrics(batch.logp_old, batch.logp_mu, mask)
+        if self.layout is not None and mm["mismatch/identical_fraction"] < 1.0:
+            from unison.mismatch import first_difference
+
+            where = first_difference(stats.logp_first if pol["bypass"] else batch.logp_old, batch.logp_mu, mask)
+            raise UnisonError(f"exact mode broke at step {step + 1}: log μ and log π_old differ at {where}; "
+                              f"this is a bug in unison — please report it with the config")
+        learner_routing = stats.routing_first if (fused or pol["bypass"]) else self.learner.last_routing
+        if learner_routing is not None and "routing" in batch.extras:
+            from unison import moe
+
+            rows = stats.first_rows if pol["bypass"] else torch.arange(batch.size)
+            mm["mismatch/router_disagreement"] = moe.disagreement(batch.extras["routing"][rows],
+                                                                  learner_routing[rows], mask[rows])
         t_tele += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -512,10 +553,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         d.barrier()
-        weights = self.learner.full_state_dict()  # collective; full tensors on rank 0
-        if d.is_main:
-            save_model_dir(self.learner.model, self.tokenizer, tmp / "model", state_dict=weights)
-        del weights
+        self.learner.save_model(tmp / "model", self.tokenizer)  # collective; rank 0 writes
         self.learner.save_optimizer(tmp / "optimizer")  # collective
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": np.random.get_state()}, tmp / f"rng_rank{d.rank}.pt")
@@ -555,15 +593,9 @@ class Trainer:
 
     def _try_load(self, ck: Path) -> str | None:
         """Load ``ck`` into every component; a one-line reason if it cannot be read."""
-        from safetensors.torch import load_file
-
         try:
             state = torch.load(ck / "trainer_state.pt", weights_only=False)
-            weights = {}
-            if self.dist.is_main:
-                for f in sorted((ck / "model").glob("*.safetensors")):
-                    weights.update(load_file(f))
-                check_model_keys(self.learner.model, weights, str(ck))
+            weights = self.learner.read_model(ck / "model")
         except UnisonError:
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable piece makes the checkpoint unusable

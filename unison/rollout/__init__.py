@@ -19,7 +19,8 @@ def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options) -> 
     if name == "native":
         from unison.rollout.native import NativeEngine
 
-        return NativeEngine(model_dir, dtype=dtype, device=device)
+        return NativeEngine(model_dir, dtype=dtype, device=device, exact=options.get("exact", False),
+                            prompt_width=options.get("prompt_width"))
     if name == "vllm":
         from unison.rollout.vllm_engine import VLLMEngine, VLLMServerEngine
 

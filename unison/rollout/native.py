@@ -1,13 +1,18 @@
-"""The native rollout engine: batched incremental decoding with a preallocated KV cache.
+"""The native rollout engine: batched incremental (KV-cache) decoding in the engine's dtype.
 
-It runs the model's own modules (embeddings, projections, norms, MLPs, rotary
-embedding) but its own decode loop and attention over a static KV cache held in
-the engine's dtype, so it is an *incremental* sampler like vLLM, while the
-learner scores with one full forward pass. Finished rows leave the batch.
+unison's own decode loop and sampler: left-padded prompts, ``n`` samples each,
+finished rows leave the batch, log μ of the distribution sampled from. It is
+an *incremental* sampler like vLLM, while the learner scores with one full
+forward pass. Two ways through the model:
 
-Supported: Llama, Mistral, Qwen2 and Qwen3 decoder layers (q/k norms and
-attention biases are picked up from the modules). Sliding-window attention is
-not implemented: a request that would exceed a model's window is refused.
+* **fast** (Llama, Mistral without a sliding window, Qwen2, Qwen3): the model's
+  own modules (embeddings, norms, rotary, MLP activations) with our attention
+  over a preallocated cache and q/k/v and gate/up fused into one matmul each;
+* **generic** (every other Hugging Face causal LM: Gemma 2/3, Phi-3, OLMo-2,
+  GPT-2, GPT-NeoX, MoE models, sliding windows...): the model's own forward with
+  a ``DynamicCache`` built from its config, so sliding windows, logit
+  soft-capping and every architectural detail are the model's. For MoE models
+  it records which experts each token chose (``mismatch/router_disagreement``).
 """
 
 from __future__ import annotations
@@ -30,15 +35,30 @@ class NativeEngine:
 
     name = "native"
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 exact: bool = False, prompt_width: int | None = None):
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
         self.model = load_model(self.model_dir, dtype=dtype, device=device)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.config = self.model.config
-        self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
-        self._fused = [self._fuse(layer) for layer in self.model.model.layers]
+        #: fast: the fused path of the Llama-family decoders; generic: any causal LM's own forward
+        self.path = decode_path(self.config)
+        if self.path == "fast":
+            self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+            self._fused = [self._fuse(layer) for layer in self.model.model.layers]
+        from unison import moe
+
+        self.moe = bool(moe.routers(self.model))
+        #: exact mode (unison/exact.py): one forward shared with the learner, a fixed layout
+        self.exact = None
+        #: exact mode: every prompt is left-padded to this width (the learner uses the same layout)
+        self.prompt_width = prompt_width
+        if exact:
+            from unison.exact import ExactForward
+
+            self.exact = ExactForward(self.model)
         self._params = dict(self.model.named_parameters())
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -112,26 +132,29 @@ class NativeEngine:
         P = max(len(r[2]) for r in rows)
         if min(len(r[2]) for r in rows) == 0:
             raise UnisonError("a prompt has no tokens: every prompt needs at least one token")
+        if self.exact is not None:
+            if params.top_p < 1.0 or params.top_k:
+                raise UnisonError("exact mode samples from the full distribution the learner scores: "
+                                  "set top_p=1 and top_k=0")
+            width = self.prompt_width or P
+            if P > width:
+                raise UnisonError(f"a prompt of {P} tokens is longer than the exact layout's prompt width "
+                                  f"{width}: it was fixed from the prompts known at start-up")
+            P = width
         self._check_context(P, params.max_tokens)
         B, T = len(rows), params.max_tokens
         dev = self.device
         ids = torch.full((B, P), self.pad_id, dtype=torch.long, device=dev)
-        key_ok = torch.zeros((B, P + T), dtype=torch.bool, device=dev)
+        key_ok = torch.zeros((B, P), dtype=torch.bool, device=dev)
         for b, (_, _, p) in enumerate(rows):
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
             key_ok[b, P - len(p):] = True
-        pos = (key_ok[:, :P].long().cumsum(-1) - 1).clamp(min=0)
-        cache = self._new_cache(B, P + T)
-
+        pos = (key_ok.long().cumsum(-1) - 1).clamp(min=0)
         seeds = torch.tensor(row_seeds(params, len(prompts)), dtype=torch.int64, device=dev)
+        routing: list[list[torch.Tensor]] | None = [[] for _ in range(B)] if self.moe else None
 
-        # prefill: causal over the padded prompt, padding keys masked out. A pad
-        # query also sees itself, so no attention row is empty (an empty row
-        # would put NaN into the cache).
-        causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
-        eye = torch.eye(P, dtype=torch.bool, device=dev)
-        mask = (causal[None] & key_ok[:, None, :P]) | eye[None]
-        logits = self._forward(ids, pos, cache, start=0, mask=mask[:, None])
+        backend = self._backend(B, P, T)
+        logits = self._run(backend.prefill, routing, torch.arange(B), ids, key_ok, pos)
 
         out_tokens = torch.zeros((B, T), dtype=torch.long, device=dev)
         out_logp = torch.zeros((B, T), dtype=torch.float32, device=dev)
@@ -142,6 +165,10 @@ class NativeEngine:
         next_pos = pos[:, -1] + 1
         for t in range(T):
             tok, lp = sample_tokens(logits, params, seeds[active], t)
+            if self.exact is not None:  # the learner's formula, on the same logits
+                from unison.exact import token_logp
+
+                lp = torch.zeros_like(lp) if params.temperature == 0 else token_logp(logits, tok, params.temperature)
             out_tokens[active, t] = tok
             out_logp[active, t] = lp
             lengths[active.cpu()] = t + 1
@@ -155,43 +182,96 @@ class NativeEngine:
                 if not bool(keep.any()):
                     break
                 active, tok, next_pos = active[keep], tok[keep], next_pos[keep]
-                cache = [(k[keep], v[keep]) for k, v in cache]
-                key_ok = key_ok[keep]
-            key_ok[:, P + t] = True
-            logits = self._forward(tok[:, None], next_pos[:, None], cache, start=P + t,
-                                   mask=key_ok[:, None, None, :P + t + 1])
+                backend.select(keep)
+            logits = self._run(backend.step, routing, active.cpu(), tok, next_pos, t)
             next_pos = next_pos + 1
 
         toks, lps = out_tokens.cpu(), out_logp.cpu()
         return [
             Completion(prompt_ids=p, token_ids=toks[b, :lengths[b]].tolist(),
                        logprobs=lps[b, :lengths[b]].tolist(), finish_reason=finish[b],
-                       prompt_index=pi, sample_index=si)
+                       prompt_index=pi, sample_index=si,
+                       routing=_row_routing(routing[b], len(p) + int(lengths[b]) - 1) if routing else None)
             for b, (pi, si, p) in enumerate(rows)
         ]
+
+    def _backend(self, B: int, P: int, T: int):
+        if self.exact is not None:
+            return _ExactBackend(self, B, P, T)
+        return (_FastBackend if self.path == "fast" else _GenericBackend)(self, B, P, T)
+
+    def _run(self, fn, routing, rows, *args):
+        """``fn(*args)``; for a MoE model also append each row's expert choices of this call."""
+        if routing is None:
+            return fn(*args)
+        from unison import moe
+
+        calls: list[torch.Tensor] = []
+        with moe.record(self.model, calls):
+            logits = fn(*args)
+        sel = calls[-1]  # [tokens of this call, layers, k]
+        if fn.__name__ == "prefill":  # [B·P]: keep each row's real (non-pad) positions, in order
+            key_ok = args[1].cpu()
+            sel = sel.view(key_ok.shape[0], key_ok.shape[1], *sel.shape[1:])
+            for b in range(key_ok.shape[0]):
+                routing[b].extend(sel[b][key_ok[b]].unbind(0))
+        else:
+            for j, b in enumerate(rows.tolist()):
+                routing[b].append(sel[j])
+        return logits
 
     # ---------------------------------------------------------------- internals
     def _check_context(self, prompt_len: int, max_tokens: int) -> None:
         check_request(self.config, prompt_len, max_tokens)
 
-    def _new_cache(self, batch: int, length: int):
-        cfg = self.config
-        attn = self.model.model.layers[0].self_attn
-        shape = (batch, cfg.num_key_value_heads, length, attn.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in self.model.model.layers]
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache, start: int,
-                 mask: torch.Tensor) -> torch.Tensor:
-        """Run ``ids`` [b, s] at positions ``pos`` through the decoder, writing K/V at
-        ``start``; return the fp32-castable logits of the last position [b, V]."""
-        core = self.model.model
+def _row_routing(steps: list[torch.Tensor], inputs: int) -> torch.Tensor:
+    """A row's expert choices for its ``inputs`` fed tokens, [inputs, layers, k] (int16)."""
+    return torch.stack(steps[:inputs]).to(torch.int16)
+
+
+class _FastBackend:
+    """The fused path (Llama, Mistral, Qwen2, Qwen3): our own attention over a preallocated
+    KV cache in the engine's dtype; q/k/v and gate/up are one matmul each."""
+
+    def __init__(self, eng: "NativeEngine", B: int, P: int, T: int):
+        self.eng, self.P = eng, P
+        cfg = eng.config
+        attn = eng.model.model.layers[0].self_attn
+        shape = (B, cfg.num_key_value_heads, P + T, attn.head_dim)
+        self.cache = [(torch.zeros(shape, dtype=eng.dtype, device=eng.device),
+                       torch.zeros(shape, dtype=eng.dtype, device=eng.device)) for _ in eng.model.model.layers]
+        self.key_ok = torch.zeros((B, P + T), dtype=torch.bool, device=eng.device)
+
+    def prefill(self, ids, key_ok, pos):
+        P, dev = self.P, self.eng.device
+        self.key_ok[:, :P] = key_ok
+        # causal over the padded prompt, padding keys masked out. A pad query also sees
+        # itself, so no attention row is empty (an empty row would put NaN into the cache).
+        causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+        eye = torch.eye(P, dtype=torch.bool, device=dev)
+        mask = (causal[None] & key_ok[:, None, :]) | eye[None]
+        return self._forward(ids, pos, start=0, mask=mask[:, None])
+
+    def select(self, keep):
+        self.cache = [(k[keep], v[keep]) for k, v in self.cache]
+        self.key_ok = self.key_ok[keep]
+
+    def step(self, tok, pos, t):
+        P = self.P
+        self.key_ok[:, P + t] = True
+        return self._forward(tok[:, None], pos[:, None], start=P + t, mask=self.key_ok[:, None, None, :P + t + 1])
+
+    def _forward(self, ids, pos, start: int, mask):
+        """``ids`` [b, s] at positions ``pos`` through the decoder, K/V written at ``start``;
+        the logits of the last position [b, V]."""
+        eng = self.eng
+        core = eng.model.model
         h = core.embed_tokens(ids)
         cos, sin = core.rotary_emb(h, pos)
         b, s = ids.shape
         end = start + s
-        for layer, (kc, vc), ((qkv_w, qkv_b, qkv_n), (gu_w, gu_b, gu_n)) in zip(core.layers, cache, self._fused):
+        for layer, (kc, vc), ((qkv_w, qkv_b, qkv_n), (gu_w, gu_b, gu_n)) in zip(core.layers, self.cache, eng._fused):
             attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm(h)
             q, k, v = F.linear(x, qkv_w, qkv_b).split(qkv_n, dim=-1)
@@ -200,7 +280,7 @@ class NativeEngine:
             v = v.view(b, s, -1, attn.head_dim).transpose(1, 2)
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = eng._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v
             o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
@@ -209,27 +289,92 @@ class NativeEngine:
             gate, up = F.linear(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         h = core.norm(h[:, -1])
-        return self.model.lm_head(h)
+        return eng.model.lm_head(h)
+
+
+class _ExactBackend:
+    """Exact mode: the forward shared with the learner (``unison.exact``) over a cache of the
+    layout's full length K = prompt width + max tokens, every step attending over all K slots."""
+
+    def __init__(self, eng: "NativeEngine", B: int, P: int, T: int):
+        self.fwd, self.P, self.K = eng.exact, P, P + T
+        self.w = self.fwd.weights(eng.dtype)
+        shape = (B, self.fwd.n_kv, self.K, self.fwd.head_dim)
+        self.cache = [(torch.zeros(shape, dtype=eng.dtype, device=eng.device),
+                       torch.zeros(shape, dtype=eng.dtype, device=eng.device)) for _ in range(self.fwd.n_layers)]
+        self.key_ok = torch.zeros((B, self.K), dtype=torch.bool, device=eng.device)
+        self.cols = torch.arange(self.K, device=eng.device)
+
+    def prefill(self, ids, key_ok, pos):
+        from unison.exact import full_allowed
+
+        self.key_ok[:, :self.P] = key_ok
+        allowed = full_allowed(self.key_ok)[:, :self.P]
+        h = self.fwd.hidden(self.w, ids, pos, allowed, self.cache, start=0)
+        return self.fwd.logits(self.w, h[:, -1])
+
+    def select(self, keep):
+        self.cache = [(k[keep], v[keep]) for k, v in self.cache]
+        self.key_ok = self.key_ok[keep]
+
+    def step(self, tok, pos, t):
+        c = self.P + t
+        self.key_ok[:, c] = True
+        allowed = (self.key_ok & (self.cols <= c))[:, None, :]
+        h = self.fwd.hidden(self.w, tok[:, None], pos[:, None], allowed, self.cache, start=c)
+        return self.fwd.logits(self.w, h[:, -1])
+
+
+class _GenericBackend:
+    """Any Hugging Face causal LM: the model's own forward with a ``DynamicCache`` built from
+    its config (sliding-window layers keep their window), the full-history attention mask and
+    position ids of the left-padded batch; logit soft-capping and scaling are the model's own."""
+
+    def __init__(self, eng: "NativeEngine", B: int, P: int, T: int):
+        from transformers import DynamicCache
+
+        self.eng = eng
+        self.cache = DynamicCache(config=eng.model.config)
+        self.mask = None
+
+    def prefill(self, ids, key_ok, pos):
+        self.mask = key_ok.long()
+        return self._forward(ids, pos)
+
+    def select(self, keep):
+        idx = keep.nonzero().squeeze(-1)
+        self.cache.batch_select_indices(idx)
+        self.mask = self.mask[idx]
+
+    def step(self, tok, pos, t):
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=-1)
+        return self._forward(tok[:, None], pos[:, None])
+
+    def _forward(self, ids, pos):
+        out = self.eng.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+
+#: families whose decoder layers the fused fast path runs
+FAST_PATH_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _uses_window(config) -> bool:
+    window = getattr(config, "sliding_window", None)
+    return window is not None and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False))
+
+
+def decode_path(config) -> str:
+    """``fast`` for the fused Llama-family path (no sliding window in use), else ``generic``."""
+    return "fast" if config.model_type in FAST_PATH_TYPES and not _uses_window(config) else "generic"
 
 
 def check_request(config, prompt_len: int, max_tokens: int) -> None:
-    """Refuse what the native engine cannot run: an architecture it does not know, a request
-    longer than the context, or longer than a sliding window (read from the config alone, so
-    the trainer checks it before the run directory exists)."""
-    from unison.models import SUPPORTED_MODEL_TYPES
-
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnisonError(f"model type '{config.model_type}' is not supported by the native engine: it runs "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
-    limit = getattr(config, "max_position_embeddings", None)
+    """Refuse a request longer than the model's context (read from the config alone, so the
+    trainer checks it before the run directory exists)."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and prompt_len + max_tokens > limit:
         raise UnisonError(
             f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's "
             f"context of {limit}: shorten the prompt or lower max_tokens / max-new-tokens")
-    window = getattr(config, "sliding_window", None)
-    uses_window = window is not None and (
-        config.model_type == "mistral" or getattr(config, "use_sliding_window", False))
-    if uses_window and prompt_len + max_tokens > window:
-        raise UnisonError(
-            f"prompt + max_tokens ({prompt_len + max_tokens}) exceeds the sliding window "
-            f"({window}), which the native engine does not implement: lower max_tokens")

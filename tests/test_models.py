@@ -1,0 +1,166 @@
+"""Any Hugging Face causal LM in the native engine (fast and generic paths), MoE routing
+telemetry and replay, LoRA through PEFT, GGUF inputs (issue 12)."""
+
+import pytest
+import torch
+
+from unison.batch import collate
+from unison.cli import main
+from unison.config import load_config
+from unison.data_io import read_metrics
+from unison.errors import UnisonError
+from unison.learner import Learner
+from unison.mismatch import mismatch_metrics
+from unison.models import model_config
+from unison.probe import ProbeConfig, run_probe
+from unison.rollout import SamplingParams, make_engine
+from unison.rollout.native import decode_path
+from unison.trainer import Trainer
+from unison.zoo import ARCHITECTURES, build
+
+MOE = ("qwen3_moe", "mixtral", "olmoe")
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    return {name: build(name, root / name) for name in ARCHITECTURES}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_architecture_runs_the_probe(zoo, arch):
+    out = run_probe(ProbeConfig(model=str(zoo[arch]), n=4, max_new_tokens=40), log=lambda m: None)
+    k3 = {r["precision"]: r["mismatch/k3"] for r in out["results"]}
+    assert k3["fp32"] <= 1e-10  # the cached engine and the full forward agree to rounding
+    assert k3["bf16"] > k3["fp16"] > k3["fp32"]
+    assert out["results"][0]["mismatch/num_tokens"] > 60
+    expected = "fast" if arch in ("llama", "qwen2", "qwen3") else "generic"  # mistral: a 24-token window
+    assert decode_path(model_config(zoo[arch])) == expected
+    if arch in MOE:
+        r = {x["precision"]: x for x in out["results"]}
+        assert r["fp32"]["mismatch/router_disagreement"] == 0.0
+        assert 0.0 <= r["bf16"]["mismatch/router_disagreement"] <= 1.0
+
+
+def test_sliding_windows_are_decoded_not_refused(zoo):
+    # prompt + response (up to 64 tokens) run past mistral's and gemma's 24-token windows
+    for arch in ("mistral", "gemma2", "gemma3_text"):
+        engine = make_engine("native", zoo[arch], torch.float32)
+        comps = engine.generate([[1] + list(range(10, 30))], SamplingParams(n=2, max_tokens=44, ignore_eos=True))
+        batch = collate(comps, engine.pad_id)
+        assert batch.tokens.shape[1] == 65
+        logp = Learner(zoo[arch]).score(batch)
+        assert mismatch_metrics(logp, batch.logp_mu, batch.response_mask)["mismatch/abs_logp_diff_max"] < 1e-4
+
+
+def test_the_generic_path_samples_what_the_fast_path_samples(zoo):
+    fast = make_engine("native", zoo["llama"], torch.float32)
+    generic = make_engine("native", zoo["llama"], torch.float32)
+    generic.path = "generic"
+    ps = [[1, 20, 21, 22], [1, 30, 31, 32, 33, 34, 35]]  # different lengths: left padding
+    a = fast.generate(ps, SamplingParams(n=3, max_tokens=30, seed=4))
+    b = generic.generate(ps, SamplingParams(n=3, max_tokens=30, seed=4))
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert max(abs(x - y) for ca, cb in zip(a, b) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
+
+
+BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=4", "train.micro_batch_size=8", "train.lr=1e-3", "log.console=false",
+        "log.tensorboard=false", "task.reward=char_reward:reward", "task.truncated_reward=null"]
+
+
+@pytest.fixture()
+def rewards(tmp_path, monkeypatch):
+    (tmp_path / "char_reward.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_moe_training_logs_routing_and_can_replay_it(tmp_path, zoo, rewards):
+    base = BASE + [f"model={zoo['qwen3_moe']}", "train.steps=2", "precision=bf16"]
+    Trainer(load_config(None, base + ["train.mini_batches=2"]), tmp_path / "plain", log=lambda m: None).fit()
+    Trainer(load_config(None, base + ["moe.routing_replay=true", "moe.aux_loss_coef=0.01"]), tmp_path / "replay",
+            log=lambda m: None).fit()
+    plain, replay = read_metrics(tmp_path / "plain/metrics.jsonl"), read_metrics(tmp_path / "replay/metrics.jsonl")
+    for r in plain + replay:
+        assert 0.0 <= r["mismatch/router_disagreement"] <= 1.0
+    assert all(r["moe/aux_loss"] > 0 for r in replay) and "moe/aux_loss" not in plain[0]
+
+
+def test_routing_replay_gives_the_learner_the_rollouts_experts(zoo):
+    """With replay the learner's experts are the engine's, so fp32 scores agree exactly as
+    before, and a perturbed learner's routing flips are undone (its k3 falls)."""
+    engine = make_engine("native", zoo["mixtral"], torch.float32)
+    comps = engine.generate([[1, 40, 41, 42], [1, 50, 51]], SamplingParams(n=4, max_tokens=40, seed=2))
+    batch = collate(comps, engine.pad_id)
+    learner = Learner(zoo["mixtral"])
+    with torch.no_grad():
+        for n, p in learner.model.named_parameters():
+            if "gate" in n and "mlp.gate" in n:
+                p.add_(0.5 * p.std() * torch.randn_like(p))  # routers perturbed: routing flips
+    from unison import moe
+
+    plain = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)
+    flips = moe.disagreement(batch.extras["routing"], learner.last_routing, batch.response_mask)
+    learner.routing_replay = True
+    replayed = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)
+    assert flips > 0.05
+    assert replayed["mismatch/k3"] < plain["mismatch/k3"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_lora_trains_only_adapters_and_syncs_merged_weights(tmp_path, tiny_dir, rewards, precision):
+    cfg = load_config(None, BASE + ["train.steps=3", "lora.rank=4", "lora.alpha=8", f"precision={precision}",
+                                    "checkpoint.every=1"])
+    t = Trainer(cfg, tmp_path / "run", log=lambda m: None)
+    before = {n: p.detach().clone() for n, p in t.learner.model.named_parameters()}
+    t.fit()
+    changed = [n for n, p in t.learner.model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed and all(".lora_" in n for n in changed)  # only the adapters moved
+    assert any(".lora_B." in n for n in changed)  # B starts at 0: the update is real
+    rows = read_metrics(tmp_path / "run/metrics.jsonl")
+    assert all(r["optim/skipped_steps"] == 0 for r in rows)
+    if precision == "fp32":  # after every sync the engine holds W + (α/r)·B·A
+        assert all(r["mismatch/k3"] < 1e-10 for r in rows)
+        comps = t.engine.generate([t.prompt_ids[0]], SamplingParams(n=4, max_tokens=6, seed=9))
+        batch = collate(comps, t.engine.pad_id)
+        gap = (t.learner.score(batch) - batch.logp_mu).abs()[batch.response_mask.bool()]
+        assert gap.max() <= 1e-5
+        # the checkpoint holds the adapters in PEFT's format, loadable with PEFT
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        ck = tmp_path / "run" / "checkpoints" / "step_000003" / "model"
+        assert (ck / "adapter_config.json").exists() and not (ck / "model.safetensors").exists()
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), ck).eval()
+        x = batch.tokens[:1]
+        with torch.no_grad():
+            want = t.learner.model(input_ids=x).logits
+            got = peft_model(input_ids=x).logits
+        assert (want - got).abs().max() < 1e-5
+
+
+def test_lora_resume_is_exact(tmp_path, rewards):
+    extra = ["lora.rank=4", "lora.alpha=8", "checkpoint.every=2"]
+    Trainer(load_config(None, BASE + extra + ["train.steps=4"]), tmp_path / "full", log=lambda m: None).fit()
+    Trainer(load_config(None, BASE + extra + ["train.steps=2"]), tmp_path / "part", log=lambda m: None).fit()
+    Trainer(load_config(None, BASE + extra + ["train.steps=4"]), tmp_path / "part", resume=True,
+            log=lambda m: None).fit()
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))}  # noqa: E731
+                          for r in rows]
+    assert strip(read_metrics(tmp_path / "part/metrics.jsonl")) == strip(read_metrics(tmp_path / "full/metrics.jsonl"))
+
+
+def test_bad_lora_targets_and_gguf_files_are_one_line_errors(tmp_path, capsys):
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text("train: {steps: 1}\n")
+    for target in ("[q_proj,no_such_proj]", "[nothing_here]"):
+        out = tmp_path / "run"
+        assert main(["train", str(cfgfile), "--out", str(out), "--set", "lora.rank=2",
+                     "--set", f"lora.target_modules={target}", *[f"--set={s}" for s in BASE[:6]]]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "lora.target_modules" in err[0] and not out.exists()
+    for name, data in (("text.gguf", b"hello, not a model"), ("empty.gguf", b"")):
+        (tmp_path / name).write_bytes(data)
+        assert main(["probe", "--model", str(tmp_path / name), "--out", str(tmp_path / "p")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is not a GGUF model" in err[0] and not (tmp_path / "p").exists()

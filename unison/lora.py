@@ -1,0 +1,112 @@
+"""LoRA adapters through PEFT: inject, export merged weights, save and load adapters.
+
+PEFT injects its ``lora.Linear`` layers into the Hugging Face model in place; unison
+keeps using that model object (its forward is unchanged), trains only the adapter
+parameters (``lora_A``/``lora_B``, fp32 masters), and gives rollout engines the
+merged weights ``W + (α/r)·B·A`` under the base model's own parameter names, so
+every engine (native, vLLM in-process or server) takes them as a full-weight sync.
+Checkpoints hold the adapters in PEFT's own format::
+
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), "checkpoints/step_N/model")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from unison.errors import UnisonError
+
+ADAPTER = "default"
+
+
+def apply(model: torch.nn.Module, cfg, base_dir: Path):
+    """Inject LoRA into ``model`` (in place); the ``PeftModel`` wrapper (for saving)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise UnisonError("lora.rank > 0 needs PEFT: pip install 'unison[lora]' (peft)") from e
+    targets = cfg.target_modules
+    lcfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                      task_type="CAUSAL_LM", base_model_name_or_path=str(base_dir))
+    try:
+        peft_model = get_peft_model(model, lcfg)
+    except ValueError as e:  # NoMatchingPeftModuleError, or a module LoRA cannot adapt
+        raise UnisonError(f"lora.target_modules {targets!r}: {str(e).splitlines()[0][:160]}: name Linear "
+                          f"modules of the model (e.g. q_proj, v_proj) or use all-linear") from e
+    if isinstance(targets, list):  # PEFT accepts a list where only some names match: we do not
+        hit = set(peft_model.targeted_module_names)
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in hit)]
+        if missing:
+            raise UnisonError(f"lora.target_modules: no module named {missing[0]!r} in the model: name Linear "
+                              f"modules it has (e.g. q_proj, v_proj) or use all-linear")
+    return peft_model
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return any(n.endswith("lora_A." + ADAPTER + ".weight") for n, _ in model.named_parameters())
+
+
+def _lora_layers(model):
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+
+
+def merged_weights(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(base name, merged tensor)`` for every parameter, the model itself unchanged.
+    ``full`` materialises a (possibly sharded) parameter; every rank must iterate in step."""
+    layers = dict(_lora_layers(model))
+    done = set()
+    for name, p in model.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        layer_name = owner.removesuffix(".base_layer").rsplit(".lora_", 1)[0]
+        if layer_name in layers:
+            if layer_name in done:
+                continue
+            done.add(layer_name)
+            m = layers[layer_name]
+            w = full(m.base_layer.weight.detach()).clone()
+            a, b = full(m.lora_A[ADAPTER].weight.detach()), full(m.lora_B[ADAPTER].weight.detach())
+            w += (b @ a) * m.scaling[ADAPTER]
+            yield f"{layer_name}.weight", w
+            if m.base_layer.bias is not None:
+                yield f"{layer_name}.bias", full(m.base_layer.bias.detach())
+        else:
+            yield name, full(p.detach())
+
+
+def adapter_state(full_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a full (HF-named) state dict under PEFT's file names."""
+    return {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v for k, v in full_sd.items() if ".lora_" in k}
+
+
+def save(peft_model, full_sd: dict[str, torch.Tensor], out: Path) -> None:
+    """``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's format) into ``out``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter_state(full_sd).items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    peft_model.peft_config[ADAPTER].save_pretrained(str(out))
+
+
+def load(path: Path) -> dict[str, torch.Tensor]:
+    """Adapter tensors saved by :func:`save`, under the learner's parameter names."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path / "adapter_model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        name = k.removeprefix("base_model.model.")
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
+        out[name] = v
+    return out
+
+
+def dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The adapters' dropout layers (trained with dropout, scored without)."""
+    return [d for _, m in _lora_layers(model) for d in m.lora_dropout.values()]

@@ -1,0 +1,64 @@
+"""Tiny random models of many architectures, with the built-in character tokenizer.
+
+For tests and for trying unison on an architecture before downloading it: each is
+a ``save_pretrained`` directory that transformers, vLLM and unison load like any
+model. ``python -m unison.zoo DIR`` writes all of them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from unison.models import build_char_tokenizer
+
+_DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+#: model type -> config keyword arguments (vocabulary and special tokens are added)
+ARCHITECTURES: dict[str, dict] = {
+    "llama": dict(_DENSE),
+    "mistral": dict(_DENSE, sliding_window=24),  # a window shorter than prompt + response
+    "qwen2": dict(_DENSE),
+    "qwen3": dict(_DENSE),
+    "gemma2": dict(_DENSE, sliding_window=24, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   query_pre_attn_scalar=16),
+    "gemma3_text": dict(_DENSE, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                        final_logit_softcapping=30.0),
+    "phi3": dict(_DENSE),
+    "olmo2": dict(_DENSE),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=512),
+    "qwen3_moe": dict(_DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": dict(_DENSE, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(_DENSE, num_experts=8, num_experts_per_tok=2),
+}
+
+
+def build(model_type: str, out_dir: str | Path, seed: int = 0, init_std: float = 0.1) -> Path:
+    """A random ``model_type`` model (std ``init_std``: peaked outputs, as trained LMs have)
+    with the character tokenizer, saved to ``out_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = build_char_tokenizer()
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               initializer_range=init_std, tie_word_embeddings=False,
+                               **ARCHITECTURES[model_type])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "zoo")
+    for name in ARCHITECTURES:
+        print(build(name, root / name))
