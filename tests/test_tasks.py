@@ -210,3 +210,26 @@ def test_jsonl_with_a_byte_order_mark_and_line_separators_reads(tmp_path):
     lines = []
     assert [r["prompt"] for r in read_jsonl(p, {"prompt": str}, line_numbers=lines)] == ["a\u2028b", "c"]
     assert lines == [1, 3]
+
+
+def test_scratchpad_task_is_deterministic_long_and_graded_on_the_final_answer():
+    from unison.models import build_char_tokenizer
+    from unison.tasks.scratchpad import ScratchpadTask, working
+
+    a = ScratchpadTask(operands=7, digits=2, train_size=50, eval_size=10, seed=3)
+    b = ScratchpadTask(operands=7, digits=2, train_size=50, eval_size=10, seed=3)
+    assert [(i.prompt, i.answer) for i in a.train + a.eval] == [(i.prompt, i.answer) for i in b.train + b.eval]
+    assert not {i.prompt for i in a.train} & {i.prompt for i in a.eval}
+    tok = build_char_tokenizer()
+    for it in a.train:
+        ref = a.demonstration(it)
+        assert a.score(ref, it) == 1.0
+        assert 64 <= len(tok(ref, add_special_tokens=False)["input_ids"]) <= 512  # long answers
+        wrong = ref[:-1] + str((int(ref[-1]) + 1) % 10)  # the last digit of the result corrupted
+        assert a.score(wrong, it) == 0.0 and a.score(ref.replace("#", ""), it) == 0.0
+    assert working([12, 34, 56]) == "12+34=46\n46+56=102\n#102"
+    direct = ScratchpadTask(operands=7, train_size=8, eval_size=0, style="direct")
+    assert direct.demonstration(direct.train[0]) == "#" + direct.train[0].answer
+    mixed = ScratchpadTask(operands=7, train_size=200, eval_size=0, style="mixed")
+    worked = sum("\n" in mixed.demonstration(i) for i in mixed.train)
+    assert 70 <= worked <= 130  # about half of the problems show the working

@@ -13,6 +13,13 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _int_csv(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError as e:
+        raise UnisonError(f"{flag} '{text}' is not a comma-separated list of integers: write e.g. {flag} 0,1,2") from e
+
+
 def _add_probe(sub) -> None:
     p = sub.add_parser(
         "probe", help="measure the training–inference mismatch per engine and precision",
@@ -166,6 +173,9 @@ def _add_sanity(sub) -> None:
                    help="comma-separated; a -exact suffix runs that arm in exact mode, e.g. "
                         "fp16,bf16,fp32,bf16-exact (default: fp16,bf16,fp32)")
     p.add_argument("--algorithms", default="grpo", help="comma-separated presets (default: grpo)")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated RL seeds: one arm per precision x algorithm x seed, sharing the SFT "
+                        "model and the filtered set (default: the config's seed, one arm each)")
     p.add_argument("--k", type=int, default=8, help="filter: samples per prompt (default: 8)")
     p.add_argument("--band", default=None, metavar="LO,HI", help="filter: pass-rate band (default: 0<p<1)")
     p.add_argument("--max-prompts", type=int, default=32, help="filter: size of the training set (default: 32)")
@@ -186,8 +196,9 @@ def cmd_sanity(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
+    seeds = _int_csv(args.seeds, "--seeds") if args.seeds else None
     summaries, report = run_sanity(cfg, out, _csv(args.precisions), _csv(args.algorithms),
-                                               k=args.k, band=band, max_prompts=args.max_prompts)
+                                   k=args.k, band=band, max_prompts=args.max_prompts, seeds=seeds)
     console = Console(width=max(Console().width, 140))
     console.print(rich_table(summaries))
     by = {s["arm"]: s for s in summaries}

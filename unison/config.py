@@ -28,9 +28,13 @@ class _Section(BaseModel):
 class TaskConfig(_Section):
     """Where prompts and rewards come from (see ``unison/tasks/``)."""
 
-    name: Literal["arithmetic", "math", "reasoning_gym"] = "arithmetic"
-    #: arithmetic: number of digits of each operand
+    name: Literal["arithmetic", "scratchpad", "math", "reasoning_gym"] = "arithmetic"
+    #: arithmetic, scratchpad: number of digits of each operand
     digits: int = Field(2, ge=1, le=9)
+    #: scratchpad: operands of each chained sum (7: worked answers of 60–80 characters)
+    operands: int = Field(7, ge=2, le=64)
+    #: scratchpad: what SFT demonstrates — full (the working), direct (the bare answer), mixed (half each)
+    style: Literal["full", "direct", "mixed"] = "full"
     #: arithmetic: operators to draw from
     operators: list[Literal["+", "-", "*"]] = ["+"]
     #: arithmetic / reasoning_gym: problems in the training split

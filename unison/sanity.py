@@ -40,7 +40,8 @@ def sanity_config(path: str | None, overrides: list[str]) -> Config:
 
 
 def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[str], k: int = 8,
-               band=None, max_prompts: int | None = 32, log=lambda m: print(m, file=sys.stderr, flush=True)):
+               band=None, max_prompts: int | None = 32, log=lambda m: print(m, file=sys.stderr, flush=True),
+               seeds: list[int] | None = None):
     from unison.algorithms.presets import PRESETS
     from unison.filter import run_filter
     from unison.report import summarize, write_report
@@ -75,18 +76,18 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
         log(f"[sanity] 2/4 filter: pass rate over k={k} samples per prompt")
         run_filter(rl_base, perf, k=k, band=band, max_prompts=max_prompts, log=log)
 
-    arms = [(p, a) for a in algorithms for p in precisions]
+    arms = [(p, a, s) for a in algorithms for p in precisions for s in (seeds or [cfg.seed])]
     total_steps = cfg.train.steps * len(arms)
     done_steps, step_time = 0, {}
     arm_dirs = []
-    for i, (prec, algo) in enumerate(arms, 1):
-        name = f"{prec}-{algo}"
+    for i, (prec, algo, seed) in enumerate(arms, 1):
+        name = f"{prec}-{algo}" + (f"-s{seed}" if seeds else "")
         run_dir = out / "arms" / name
         arm_dirs.append(run_dir)
         exact = prec.endswith("-exact")
         arm_cfg = config_from_dict(merge(rl_base.model_dump(mode="json"),
                                          {"precision": prec.removesuffix("-exact"), "exact": exact, "algo": algo,
-                                          "task": {"path": str(perf)}}))
+                                          "seed": seed, "task": {"path": str(perf)}}))
         log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} ({cfg.train.steps} steps)")
         trainer = Trainer(arm_cfg, run_dir, resume=run_dir.exists(), log=log)
         t_arm, start = time.perf_counter(), trainer.step
@@ -95,7 +96,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
             per = (time.perf_counter() - _t) / max(_tr.step - _start, 1)
             step_time[_prec] = per
             arm_left = (cfg.train.steps - _tr.step) * per
-            later = sum(step_time.get(p, per) * cfg.train.steps for p, _ in arms[_i:])
+            later = sum(step_time.get(p, per) * cfg.train.steps for p, _, _ in arms[_i:])
             log(f"[sanity] arm {_i}/{len(arms)} {_name} step {m['step']}/{cfg.train.steps} "
                 f"reward {m.get('reward/mean', float('nan')):.3f} k3 {m.get('mismatch/k3', float('nan')):.2e} "
                 f"ETA arm {_fmt_s(arm_left)}, all {_fmt_s(arm_left + later)}")

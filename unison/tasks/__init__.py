@@ -101,6 +101,11 @@ def make_task(cfg) -> Task:
 
         return ArithmeticTask(digits=cfg.digits, operators=cfg.operators, train_size=cfg.train_size,
                               eval_size=cfg.eval_size, seed=cfg.seed, path=cfg.path)
+    if cfg.name == "scratchpad":
+        from unison.tasks.scratchpad import ScratchpadTask
+
+        return ScratchpadTask(operands=cfg.operands, digits=cfg.digits, train_size=cfg.train_size,
+                              eval_size=cfg.eval_size, seed=cfg.seed, style=cfg.style, path=cfg.path)
     if cfg.name == "math":
         from unison.tasks.math import MathTask
 
@@ -117,7 +122,7 @@ def make_task(cfg) -> Task:
                               "name a reasoning-gym dataset, e.g. basic_arithmetic")
         return ReasoningGymTask(cfg.dataset, train_size=cfg.train_size, eval_size=cfg.eval_size,
                                 seed=cfg.seed)
-    raise UnisonError(f"unknown task '{cfg.name}': choose arithmetic, math or reasoning_gym")
+    raise UnisonError(f"unknown task '{cfg.name}': choose arithmetic, scratchpad, math or reasoning_gym")
 
 
 def make_reward(task: Task, cfg) -> RewardFn:
