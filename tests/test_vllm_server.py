@@ -69,7 +69,10 @@ def test_a_server_of_another_model_or_without_dev_endpoints_is_refused(tmp_path,
         s.probe_tokens = s.probe_tokens[:-1]
         with pytest.raises(UnisonError, match="tokenizes differently"):
             Trainer(_cfg(s.url), tmp_path / "b")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with _stub(tiny_dir, dev_mode=False) as s:
+        with pytest.raises(UnisonError, match="start it with VLLM_SERVER_DEV_MODE=1"):
+            Trainer(_cfg(s.url), tmp_path / "c")
+    assert not any((tmp_path / d).exists() for d in "abc")
 
 
 def test_a_sync_the_server_did_not_take_is_an_error(tmp_path, tiny_dir, reward_module):

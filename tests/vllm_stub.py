@@ -17,9 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class StubServer:
     def __init__(self, model_root: str, probe_tokens: list[int], vocab: int, *, frozen_probe: bool = False,
-                 hang_after: int | None = None, fail_after: int | None = None):
+                 hang_after: int | None = None, fail_after: int | None = None, dev_mode: bool = True):
         self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
         self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
+        self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: pause/resume and collective_rpc exist
         self.completions = 0
         self.reloads = 0
         self.calls: list[str] = []
@@ -45,7 +46,7 @@ class StubServer:
                     return self._send(200)
                 if path == "/v1/models":
                     return self._send(200, {"data": [{"id": "stub", "root": stub.model_root, "max_model_len": 1024}]})
-                if path == "/is_paused":
+                if path == "/is_paused" and stub.dev_mode:
                     return self._send(200, {"is_paused": False})
                 return self._send(404, {"detail": "Not Found"})
 
