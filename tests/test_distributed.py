@@ -80,8 +80,11 @@ def test_two_ranks_equal_one_process_in_fp32(env, tmp_path):
     assert _tokens(tmp_path / "one") == _tokens(tmp_path / "two")  # identical samples, every step
     for ra, rb in zip(a, b):
         assert ra["reward/mean"] == rb["reward/mean"] and ra["response_length/mean"] == rb["response_length/mean"]
-        for k in ("optim/grad_norm", "policy/entropy", "policy/clip_fraction", "policy/ppo_kl"):
+        for k in ("optim/grad_norm", "policy/entropy", "policy/clip_fraction"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-5), k
+        # ppo_kl is k1, mean(log π_old − log π_θ): a difference of log-probs ~−2 that differ by ~1e-2, so
+        # fp32 rounding of each (~1e-7) is ~1e-5 of it (measured on a busy CI machine: 1.8e-5 relative)
+        assert rb["policy/ppo_kl"] == pytest.approx(ra["policy/ppo_kl"], rel=1e-5, abs=1e-6)
         # the loss is a sum of terms of both signs (−7.9e-5 at step 2 from terms ~1e-2): fp32 order
         assert rb["policy/loss"] == pytest.approx(ra["policy/loss"], rel=1e-5, abs=1e-7)
         # micro-batches are global (4 rows on each rank = 8): 2 per optimizer step, as in one process
