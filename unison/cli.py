@@ -265,11 +265,16 @@ def _rank_tag() -> str:
 
 
 def _on_sigterm(signum, frame):  # pragma: no cover - exercised through torchrun in tests
-    raise _Terminated()
+    """torchrun stops the other ranks with SIGTERM when one fails: say so in one line and end now.
 
+    Exiting here (not raising) means no traceback, wherever the signal lands (inside an error report,
+    a destructor, interpreter shutdown); what is cut short is what SIGKILL cuts short, which a run
+    survives (checkpoints are published atomically, a torn metrics line is dropped on resume)."""
+    import os
 
-class _Terminated(Exception):
-    pass
+    os.write(2, f"unison: stopped{_rank_tag()}: torchrun ended this rank because another rank failed "
+                f"(its error is above); fix it and continue with --resume\n".encode())
+    os._exit(143)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if _rank_tag():  # torchrun stops the other ranks with SIGTERM when one fails: say so, briefly
+    if _rank_tag():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
@@ -290,10 +295,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("unison: interrupted", file=sys.stderr)
         return 130
-    except _Terminated:
-        print(f"unison: stopped{_rank_tag()}: torchrun ended this rank because another rank failed "
-              f"(its error is above); fix it and continue with --resume", file=sys.stderr)
-        return 143
     except Exception as e:
         if _rank_tag() and _is_collective_failure(e):
             print(f"unison: error{_rank_tag()}: lost the other ranks ({type(e).__name__}: "
