@@ -202,3 +202,22 @@ def test_sigkill_at_five_points_then_resume_completes_and_equals_the_uninterrupt
         assert _comparable(read_metrics(out / "metrics.jsonl")) == want, point
         assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())
         shutil.rmtree(out)
+
+
+def test_a_rank_stopped_by_sigterm_says_so_in_one_line_and_exits_143():
+    # torchrun sends SIGTERM to the other ranks when one fails: wherever it lands (here in a sleep outside
+    # any try), the rank prints one line and exits, never a traceback
+    code = textwrap.dedent("""
+        import os, signal, time
+        from unison import cli
+        signal.signal(signal.SIGTERM, cli._on_sigterm)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("not reached")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, RANK="1", WORLD_SIZE="2"))
+    assert r.returncode == 143 and r.stdout == ""
+    assert r.stderr.splitlines() == ["unison: stopped (rank 1): torchrun ended this rank (SIGTERM: another rank "
+                                     "failed — its error is above — or the job was cancelled); continue with "
+                                     "--resume"]

@@ -265,15 +265,16 @@ def _rank_tag() -> str:
 
 
 def _on_sigterm(signum, frame):  # pragma: no cover - exercised through torchrun in tests
-    """torchrun stops the other ranks with SIGTERM when one fails: say so in one line and end now.
+    """torchrun stops the other ranks with SIGTERM when one fails (and passes on a scheduler's
+    SIGTERM): say so in one line and end now.
 
     Exiting here (not raising) means no traceback, wherever the signal lands (inside an error report,
     a destructor, interpreter shutdown); what is cut short is what SIGKILL cuts short, which a run
     survives (checkpoints are published atomically, a torn metrics line is dropped on resume)."""
     import os
 
-    os.write(2, f"unison: stopped{_rank_tag()}: torchrun ended this rank because another rank failed "
-                f"(its error is above); fix it and continue with --resume\n".encode())
+    os.write(2, f"unison: stopped{_rank_tag()}: torchrun ended this rank (SIGTERM: another rank failed — its "
+                f"error is above — or the job was cancelled); continue with --resume\n".encode())
     os._exit(143)
 
 
