@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
@@ -24,16 +23,9 @@ from unison.models import resolve_model_dir
 from unison.precision import DTYPES
 from unison.rollout import SamplingParams, make_engine
 
+from rollout_throughput import best_of  # noqa: E402 - a sibling script (python benchmarks/exact_cost.py)
+
 TEXTS = ["12+35=", "Once upon a time", "def add(a, b):\n", "Let n be a positive integer."]
-
-
-def best(fn, repeats):
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def fwd_bwd(learner, batch):
@@ -66,8 +58,8 @@ def main() -> None:
             e.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
         t_today, t_exact = [], []
         for _ in range(args.repeats):  # alternate, so machine noise hits both
-            t_today.append(best(lambda: today.generate(prompts, params), 1))
-            t_exact.append(best(lambda: exact.generate(prompts, params), 1))
+            t_today.append(best_of(lambda: today.generate(prompts, params), 1))
+            t_exact.append(best_of(lambda: exact.generate(prompts, params), 1))
         comps = today.generate(prompts, params)
         l_today = Learner(model_dir, compute_dtype=dt, micro_batch_size=args.batch)
         l_exact = Learner(model_dir, compute_dtype=dt, exact=True, micro_batch_size=args.batch)
@@ -77,8 +69,8 @@ def main() -> None:
         fwd_bwd(l_exact, b_exact)
         u_today, u_exact = [], []
         for _ in range(args.repeats):
-            u_today.append(best(lambda: fwd_bwd(l_today, b_today), 1))
-            u_exact.append(best(lambda: fwd_bwd(l_exact, b_exact), 1))
+            u_today.append(best_of(lambda: fwd_bwd(l_today, b_today), 1))
+            u_exact.append(best_of(lambda: fwd_bwd(l_exact, b_exact), 1))
         rows.append({"dtype": name, "responses": len(comps), "new_tokens": args.tokens,
                      "rollout_tokens_per_s_today": round(n_tok / min(t_today), 1),
                      "rollout_tokens_per_s_exact": round(n_tok / min(t_exact), 1),

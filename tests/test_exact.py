@@ -98,3 +98,33 @@ def _gpt2(tmp_path):
     if not d.exists():
         build("gpt2", d)
     return d
+
+
+def test_token_logp_by_hand():
+    import math
+
+    from unison.exact import token_logp
+
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # p = (1/4, 3/4)
+    lp, ent = token_logp(logits, torch.tensor([1]), 1.0, want_entropy=True)
+    assert float(lp) == pytest.approx(math.log(0.75), abs=1e-7)
+    assert float(ent) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-7)
+    # temperature 2 halves the logits: p(1) = √3 / (1 + √3)
+    lp2 = token_logp(logits, torch.tensor([1]), 2.0)
+    assert float(lp2) == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-7)
+    assert float(token_logp(logits, torch.tensor([0]), 1.0)) == pytest.approx(math.log(0.25), abs=1e-7)
+
+
+def test_collate_in_the_exact_layout_by_hand():
+    from unison.batch import Completion
+
+    c = Completion(prompt_ids=[1, 2], token_ids=[3], logprobs=[-0.5], finish_reason="length",
+                   routing=torch.tensor([[[4]], [[5]]]))  # 2 fed inputs (prompt + response − 1), 1 layer, k 1
+    b = collate([c], pad_id=0, layout=(3, 5))  # prompts end at column 3, rows 5 wide
+    assert b.tokens.tolist() == [[0, 1, 2, 3, 0]]
+    assert b.attention_mask.tolist() == [[0, 1, 1, 1, 0]]
+    assert b.response_mask.tolist() == [[0.0, 0.0, 0.0, 1.0, 0.0]]
+    assert b.logp_mu.tolist() == [[0.0, 0.0, 0.0, -0.5, 0.0]]
+    assert b.extras["routing"][0, :, 0, 0].tolist() == [-1, 4, 5, -1, -1]  # aligned with the tokens
+    with pytest.raises(ValueError, match="does not fit the layout"):
+        collate([c], pad_id=0, layout=(1, 5))  # a prompt wider than the layout's prompt width

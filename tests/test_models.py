@@ -164,3 +164,56 @@ def test_bad_lora_targets_and_gguf_files_are_one_line_errors(tmp_path, capsys):
         assert main(["probe", "--model", str(tmp_path / name), "--out", str(tmp_path / "p")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is not a GGUF model" in err[0] and not (tmp_path / "p").exists()
+
+
+# ------------------------------------------------------------------ formulas by hand
+def test_router_disagreement_by_hand():
+    from unison import moe
+
+    # one row, 4 positions, 2 MoE layers, top-2; response tokens at positions 2 and 3 are produced by
+    # inputs 1 and 2 (the last input, position 3, is never fed and must not count)
+    rollout = torch.tensor([[[[5, 6], [5, 6]],     # input 0: prompt, not compared
+                             [[0, 1], [2, 3]],     # input 1 -> response token 2
+                             [[0, 1], [2, 3]],     # input 2 -> response token 3
+                             [[7, 7], [7, 7]]]])   # input 3: never fed
+    learner = torch.tensor([[[[4, 4], [4, 4]],
+                             [[1, 0], [2, 3]],     # the same sets in another order: agree
+                             [[0, 2], [2, 3]],     # layer 0 picked {0, 2} instead of {0, 1}: differ
+                             [[0, 0], [0, 0]]]])
+    mask = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
+    assert moe.disagreement(rollout, learner, mask) == 0.5  # 1 of 2 response tokens
+    unknown = learner.clone()
+    unknown[0, 2] = -1  # the learner's choice at input 2 unknown: only input 1 is compared
+    assert moe.disagreement(rollout, unknown, mask) == 0.0
+    assert moe.disagreement(rollout, learner, torch.zeros(1, 4)) == 0.0  # no response tokens
+
+
+def test_replay_indices_fill_unknown_positions_with_the_first_k_experts():
+    from unison.learner import _replay_indices
+
+    r = torch.tensor([[[[3, 1]], [[-1, -1]], [[0, 2]]]])  # [rows 1, L 3, layers 1, k 2]
+    assert _replay_indices(r).tolist() == [[[3, 1]], [[0, 1]], [[0, 2]]]  # flattened [rows·L, layers, k]
+    assert r[0, 1].tolist() == [[-1, -1]]  # the batch's routing is left as it was
+
+
+def test_lora_merged_weight_is_w_plus_alpha_over_r_b_a_by_hand(tiny_dir):
+    from unison import lora
+    from unison.config import LoRAConfig
+    from unison.models import load_model
+
+    model = load_model(tiny_dir, dtype=torch.float32)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora.apply(model, LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj"]), tiny_dir)
+    layer = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():  # A: a 1 at [0, 5]; B: 0.5 at [3, 0]: (α/r)·B·A = 2 · 0.5 · 1 = 1.0 at [3, 5] only
+        layer.lora_A["default"].weight.zero_()[0, 5] = 1.0
+        layer.lora_B["default"].weight.zero_()[3, 0] = 0.5
+    merged = dict(lora.merged_weights(model, lambda t: t))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    expected = base[name].clone()
+    expected[3, 5] += 1.0
+    assert torch.equal(merged[name], expected)
+    assert set(merged) == set(base)  # the base model's own names, nothing of PEFT's
+    for n, w in merged.items():
+        if n != name:  # every other adapter is still B = 0 (PEFT's init): the base weights
+            assert torch.equal(w, base[n]), n

@@ -46,10 +46,6 @@ def apply(model: torch.nn.Module, cfg, base_dir: Path):
     return peft_model
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    return any(n.endswith("lora_A." + ADAPTER + ".weight") for n, _ in model.named_parameters())
-
-
 def _lora_layers(model):
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
 

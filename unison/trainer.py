@@ -379,22 +379,20 @@ class Trainer:
         if fused:
             batch.logp_old = stats.logp_first
             _, cmetrics = correct(batch.logp_old, batch.logp_mu, mask)
-        if pol["bypass"]:
-            rows = stats.first_rows
-            mm = mismatch_metrics(stats.logp_first[rows], batch.logp_mu[rows], mask[rows])
-        else:
-            mm = mismatch_metrics(batch.logp_old, batch.logp_mu, mask)
+        # bypass: log π_old is log μ, so π is read from the first mini-batch's forward (its rows)
+        rows = stats.first_rows if pol["bypass"] else torch.arange(batch.size)
+        logp_pi = stats.logp_first if pol["bypass"] else batch.logp_old
+        mm = mismatch_metrics(logp_pi[rows], batch.logp_mu[rows], mask[rows])
         if self.layout is not None and mm["mismatch/identical_fraction"] < 1.0:
             from unison.mismatch import first_difference
 
-            where = first_difference(stats.logp_first if pol["bypass"] else batch.logp_old, batch.logp_mu, mask)
+            where = first_difference(logp_pi[rows], batch.logp_mu[rows], mask[rows])
             raise UnisonError(f"exact mode broke at step {step + 1}: log μ and log π_old differ at {where}; "
                               f"this is a bug in unison — please report it with the config")
         learner_routing = stats.routing_first if (fused or pol["bypass"]) else self.learner.last_routing
         if learner_routing is not None and "routing" in batch.extras:
             from unison import moe
 
-            rows = stats.first_rows if pol["bypass"] else torch.arange(batch.size)
             mm["mismatch/router_disagreement"] = moe.disagreement(batch.extras["routing"][rows],
                                                                   learner_routing[rows], mask[rows])
         t_tele += time.perf_counter() - t0

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from unison.batch import Completion
 from unison.errors import UnisonError
+from unison.exact import ExactForward, full_allowed, token_logp
 from unison.models import load_model, load_tokenizer
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 
@@ -56,8 +57,6 @@ class NativeEngine:
         #: exact mode: every prompt is left-padded to this width (the learner uses the same layout)
         self.prompt_width = prompt_width
         if exact:
-            from unison.exact import ExactForward
-
             self.exact = ExactForward(self.model)
         self._params = dict(self.model.named_parameters())
         eos = self.model.generation_config.eos_token_id
@@ -154,7 +153,7 @@ class NativeEngine:
         routing: list[list[torch.Tensor]] | None = [[] for _ in range(B)] if self.moe else None
 
         backend = self._backend(B, P, T)
-        logits = self._run(backend.prefill, routing, torch.arange(B), ids, key_ok, pos)
+        logits = self._run(backend.prefill, routing, None, ids, key_ok, pos)
 
         out_tokens = torch.zeros((B, T), dtype=torch.long, device=dev)
         out_logp = torch.zeros((B, T), dtype=torch.float32, device=dev)
@@ -166,8 +165,6 @@ class NativeEngine:
         for t in range(T):
             tok, lp = sample_tokens(logits, params, seeds[active], t)
             if self.exact is not None:  # the learner's formula, on the same logits
-                from unison.exact import token_logp
-
                 lp = torch.zeros_like(lp) if params.temperature == 0 else token_logp(logits, tok, params.temperature)
             out_tokens[active, t] = tok
             out_logp[active, t] = lp
@@ -201,7 +198,8 @@ class NativeEngine:
         return (_FastBackend if self.path == "fast" else _GenericBackend)(self, B, P, T)
 
     def _run(self, fn, routing, rows, *args):
-        """``fn(*args)``; for a MoE model also append each row's expert choices of this call."""
+        """``fn(*args)``; for a MoE model also append each row's expert choices of this call:
+        ``rows`` are the batch rows of a decode step, ``None`` for the prefill (``args[1]`` = key_ok)."""
         if routing is None:
             return fn(*args)
         from unison import moe
@@ -210,7 +208,7 @@ class NativeEngine:
         with moe.record(self.model, calls):
             logits = fn(*args)
         sel = calls[-1]  # [tokens of this call, layers, k]
-        if fn.__name__ == "prefill":  # [B·P]: keep each row's real (non-pad) positions, in order
+        if rows is None:  # the prefill, [B·P]: keep each row's real (non-pad) positions, in order
             key_ok = args[1].cpu()
             sel = sel.view(key_ok.shape[0], key_ok.shape[1], *sel.shape[1:])
             for b in range(key_ok.shape[0]):
@@ -230,7 +228,18 @@ def _row_routing(steps: list[torch.Tensor], inputs: int) -> torch.Tensor:
     return torch.stack(steps[:inputs]).to(torch.int16)
 
 
-class _FastBackend:
+class _CacheBackend:
+    """A preallocated per-layer (k, v) cache and its key mask; finished rows leave both."""
+
+    cache: list
+    key_ok: torch.Tensor
+
+    def select(self, keep):
+        self.cache = [(k[keep], v[keep]) for k, v in self.cache]
+        self.key_ok = self.key_ok[keep]
+
+
+class _FastBackend(_CacheBackend):
     """The fused path (Llama, Mistral, Qwen2, Qwen3): our own attention over a preallocated
     KV cache in the engine's dtype; q/k/v and gate/up are one matmul each."""
 
@@ -252,10 +261,6 @@ class _FastBackend:
         eye = torch.eye(P, dtype=torch.bool, device=dev)
         mask = (causal[None] & key_ok[:, None, :]) | eye[None]
         return self._forward(ids, pos, start=0, mask=mask[:, None])
-
-    def select(self, keep):
-        self.cache = [(k[keep], v[keep]) for k, v in self.cache]
-        self.key_ok = self.key_ok[keep]
 
     def step(self, tok, pos, t):
         P = self.P
@@ -292,7 +297,7 @@ class _FastBackend:
         return eng.model.lm_head(h)
 
 
-class _ExactBackend:
+class _ExactBackend(_CacheBackend):
     """Exact mode: the forward shared with the learner (``unison.exact``) over a cache of the
     layout's full length K = prompt width + max tokens, every step attending over all K slots."""
 
@@ -306,16 +311,10 @@ class _ExactBackend:
         self.cols = torch.arange(self.K, device=eng.device)
 
     def prefill(self, ids, key_ok, pos):
-        from unison.exact import full_allowed
-
         self.key_ok[:, :self.P] = key_ok
         allowed = full_allowed(self.key_ok)[:, :self.P]
         h = self.fwd.hidden(self.w, ids, pos, allowed, self.cache, start=0)
         return self.fwd.logits(self.w, h[:, -1])
-
-    def select(self, keep):
-        self.cache = [(k[keep], v[keep]) for k, v in self.cache]
-        self.key_ok = self.key_ok[keep]
 
     def step(self, tok, pos, t):
         c = self.P + t
