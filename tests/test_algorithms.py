@@ -266,7 +266,7 @@ def test_presets_and_overrides():
         "grpo", {"clip": 3e-4, "clip_high": 4e-4}, "seq_mean_token_mean")
     assert loss_kwargs(resolve_policy("pg_seq_mis", PolicyConfig())) == {"loss_c": 3.0}
     assert set(PRESETS) == {"grpo", "grpo_token_tis", "grpo_seq_mis", "gspo", "pg_seq_is", "pg_seq_mis",
-                            "pg_token_is"}
+                            "pg_token_is", "dppo_tv", "dppo_kl"}
     assert set(ADVANTAGES) == {"grpo", "drgrpo", "rloo", "batch_norm"}
     with pytest.raises(UnisonError, match="unknown algo"):
         resolve_policy("ppo2", PolicyConfig())
@@ -295,3 +295,73 @@ def test_geo_rs_equals_verl_seq_mean_k1_with_reciprocal_thresholds():
     w, _ = CORRECTIONS["geo_rs"](old, mu, mask, c=c, c_low=c_low)
     assert 0 < verl_keep.sum() < 64  # both outcomes occur
     assert torch.equal((w.sum(-1) > 0).float(), verl_keep)
+
+
+# ------------------------------------------------------------------ DPPO (issue 18), by hand
+def _dppo_inputs():
+    # π_old = 0.5 everywhere; row 0 (A = +1) moves to 0.6 and 0.8, row 1 (A = −1) to 0.2 and 0.4
+    p = torch.tensor([[0.6, 0.8], [0.2, 0.4]])
+    logp = p.log().requires_grad_(True)
+    old = torch.full((2, 2), 0.5).log()
+    return logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), torch.ones(2, 2)
+
+
+def test_dppo_tv_masks_by_the_probability_band_in_the_advantage_direction():
+    logp, old, adv, w, m = _dppo_inputs()
+    per_tok, met = LOSSES["dppo_tv"](logp, old, old, adv, w, m, clip=0.2, kl_tau=0.1)
+    # kept: (0,0) dp = +0.1 <= 0.2 and (1,1) dp = -0.1 >= -0.2; masked: (0,1) dp = +0.3, (1,0) dp = -0.3
+    pg = torch.tensor([[-1.2 * math.log(0.6), 0.0], [0.0, 0.8 * math.log(0.4)]])  # -keep·A·(p/p_old)·log p
+    kl = 0.1 * torch.tensor([[math.log(1.2) ** 2, math.log(1.6) ** 2], [math.log(0.4) ** 2, math.log(0.8) ** 2]])
+    assert torch.allclose(per_tok, pg + kl, atol=1e-6)
+    assert met["policy/clip_fraction"] == 0.5
+    per_tok.sum().backward()
+    # d/dlog p of a kept token: -A·r + 2·kl_tau·log r; of a masked one: the KL term only
+    want = torch.tensor([[-1.2 + 0.2 * math.log(1.2), 0.2 * math.log(1.6)],
+                         [0.2 * math.log(0.4), 0.8 + 0.2 * math.log(0.8)]])
+    assert torch.allclose(logp.grad, want, atol=1e-6)
+
+
+def test_dppo_tv_caps_the_ratio_weight_with_loss_c():
+    logp, old, adv, w, m = _dppo_inputs()
+    per_tok, _ = LOSSES["dppo_tv"](logp, old, old, adv, w, m, clip=0.2, loss_c=1.1)
+    assert per_tok[0, 0].item() == pytest.approx(-1.1 * math.log(0.6))  # min(1.2, 1.1)
+
+
+def test_dppo_kl_uses_the_bernoulli_kl_and_keeps_moves_against_the_advantage():
+    p = torch.tensor([[0.6, 0.8, 0.1]])
+    logp, old = p.log(), torch.full((1, 3), 0.5).log()
+    # D(0.5 → 0.6) = 0.5 log(5/6) + 0.5 log(5/4) = 0.0204 <= 0.05: kept; D(0.5 → 0.8) = 0.223: masked;
+    # 0.5 → 0.1 has D = 0.511 but p <= p_old with A > 0: kept
+    d = 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4)
+    assert d == pytest.approx(0.020411, abs=1e-6)
+    per_tok, met = LOSSES["dppo_kl"](logp, old, old, torch.tensor([1.0]), torch.ones(1, 3), torch.ones(1, 3),
+                                      clip=0.05)
+    assert per_tok[0, 1].item() == 0.0 and per_tok[0, 0].item() != 0.0 and per_tok[0, 2].item() != 0.0
+    assert met["policy/clip_fraction"] == pytest.approx(1 / 3)
+
+
+def test_dppo_presets_follow_prime_rl_and_verl():
+    tv = resolve_policy("dppo_tv", PolicyConfig())
+    assert (tv["loss"], tv["clip"], tv["clip_high"], tv["kl_tau"], tv["anchor"]) == ("dppo_tv", 0.2, 0.2, 1e-3,
+                                                                                        "recompute")
+    assert resolve_policy("dppo_tv", PolicyConfig(bypass=True))["anchor"] == "bypass"
+    assert resolve_policy("dppo_kl", PolicyConfig())["clip"] == 0.05
+    with pytest.raises(UnisonError, match="policy.bypass is true but policy.anchor is 'loglinear'"):
+        resolve_policy("grpo", PolicyConfig(bypass=True, anchor="loglinear"))
+
+
+# ------------------------------------------------------------------ anchors (issue 18), by hand
+def test_loglinear_alpha_and_logp_by_hand():
+    from unison.algorithms.anchors import OldLogp, loglinear_alpha, loglinear_logp
+
+    v = torch.tensor([3, 5, 5])
+    # step 5 of 4 mini-batches, mini-batch 2: v_θ = 5.5, v_prox = 5
+    assert loglinear_alpha(v, 5.0, 5.5).tolist() == pytest.approx([2 / 2.5, 0.0, 0.0])
+    # first mini-batch: θ = θ_old, so a stale sample's proximal policy is π_θ itself (α = 1)
+    assert loglinear_alpha(v, 5.0, 5.0).tolist() == pytest.approx([1.0, 0.0, 0.0])
+    mu, theta = torch.full((3, 2), -2.0), torch.full((3, 2), -1.0)
+    out = loglinear_logp(theta, mu, torch.tensor([0.8, 0.0, 1.0]))
+    assert out[:, 0].tolist() == pytest.approx([-1.2, -2.0, -1.0])  # log μ + α (log π_θ − log μ)
+    old = OldLogp("loglinear", v_behave=v, step=5, mini_batches=4)
+    assert old(torch.tensor([0]), theta[:1], mu[:1], 2)[0, 0].item() == pytest.approx(-1.2)
+    assert torch.equal(OldLogp("fused")(torch.tensor([0]), theta[:1], mu[:1], 0), theta[:1])

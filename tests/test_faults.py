@@ -109,8 +109,8 @@ def test_failing_rewards_are_shown_warned_and_stop_the_run(tmp_path, monkeypatch
     assert any("reward-errors 8" in m for m in logs if m.startswith("[train] step"))  # on the console line
     cfg = load_config(None, BASE + ["task.reward=bad_reward:always", "train.steps=5", "checkpoint.every=1"])
     t = Trainer(cfg, tmp_path / "always", log=lambda m: None)
-    with pytest.raises(UnisonError, match=r"every reward raised for 3 consecutive steps \(last: ValueError: "
-                                          r"no answer field\)"):
+    with pytest.raises(UnisonError, match=r"every call of the reward function bad_reward:always raised for 3 "
+                                          r"consecutive steps \(last: ValueError: no answer field\)"):
         t.fit()
     done = ckpt.complete(tmp_path / "always" / "checkpoints")
     assert [p.name for p in done] == ["step_000001", "step_000002"] and ckpt.verify(done[-1]) is None
@@ -137,10 +137,10 @@ def test_reward_mean_counts_everything_sampled_and_the_batch_is_trimmed(tmp_path
     cfg = load_config(None, BASE + ["task.reward=mixed:reward", "train.steps=1", "train.drop_uniform_groups=true",
                                     "train.oversample_rounds=3"])
     t = Trainer(cfg, tmp_path / "r", log=lambda m: None)
-    comps, rewards, info = t.rollout(0)
-    sampled = info["sampled_rewards"]
-    assert len(comps) == 16 and len(sampled) == 16 * info["rounds"]  # trimmed back to 4 prompts x 4
-    assert info["dropped"] > 0 and len({c.prompt_index for c in comps}) == 4
+    roll = t.source.next(0)
+    comps, rewards, sampled = roll.completions, roll.rewards, roll.sampled_rewards
+    assert len(comps) == 16 and len(sampled) == 16 * roll.rounds  # trimmed back to 4 prompts x 4
+    assert roll.dropped_groups > 0 and len({c.prompt_index for c in comps}) == 4
     t2 = Trainer(cfg, tmp_path / "r2", log=lambda m: None)
     m = t2.train_step()
     assert m["reward/mean"] == pytest.approx(sum(sampled) / len(sampled))  # everything sampled
@@ -171,14 +171,14 @@ KILLER = textwrap.dedent("""
         so = t.learner.save_optimizer
         t.learner.save_optimizer = lambda p: die() if t.step == 2 else so(p)
     elif point == "metrics":          # half a line into metrics.jsonl at step 3
-        wm = t._write_metrics
+        wm = t.runlog.write
         def torn(m):
             if m["step"] == 3:
                 with (t.run_dir / "metrics.jsonl").open("a") as f:
                     f.write(__import__("json").dumps(m)[:40]); f.flush()
                 die()
             wm(m)
-        t._write_metrics = torn
+        t.runlog.write = torn
     t.fit()
 """)
 

@@ -105,7 +105,7 @@ def test_train_cli_refuses_bad_input_without_touching_the_run(tmp_path, capsys):
     assert "different config" in capsys.readouterr().err
     assert main(args + [f"--set={s}" for s in BASE] + ["--set", "seed=5", "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "differs from the run's config.yaml at 'seed'" in err
+    assert "differs from the run's config.yaml at seed (0 -> 5)" in err
     assert (run / "metrics.jsonl").read_text() == before
 
 
@@ -134,10 +134,10 @@ def test_dapo_drops_uniform_groups_and_counts_them(tmp_path):
     cfg = load_config(None, BASE + ["train.steps=1", "train.drop_uniform_groups=true",
                                     "train.oversample_rounds=1"])
     t = Trainer(cfg, tmp_path / "r")
-    comps, rewards, info = t.rollout(0)
-    assert (comps, rewards, info["dropped"], info["rounds"]) == ([], [], 8, 2)
-    assert info["sampled_rewards"] == [0.0] * 32  # everything sampled is still accounted for
-    assert t.sampler.pos == 8
+    roll = t.source.next(0)
+    assert (roll.completions, roll.rewards, roll.dropped_groups, roll.rounds) == ([], [], 8, 2)
+    assert roll.sampled_rewards == [0.0] * 32  # everything sampled is still accounted for
+    assert t.source.sampler.pos == 8
     m = t.train_step()  # a step with nothing left makes no update and says so
     assert m["data/dropped_groups"] == 8 and t.step == 1
 

@@ -17,10 +17,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class StubServer:
     def __init__(self, model_root: str, probe_tokens: list[int], vocab: int, *, frozen_probe: bool = False,
-                 hang_after: int | None = None, fail_after: int | None = None, dev_mode: bool = True):
+                 hang_after: int | None = None, fail_after: int | None = None, dev_mode: bool = True,
+                 reload_delay: float = 0.0, server_info: dict | None = None):
         self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
         self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
         self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: pause/resume and collective_rpc exist
+        self.reload_delay = reload_delay  # seconds a weight reload takes
+        self.server_info = server_info or {"vllm_config": {"model_config": {"quantization": None},
+                                                           "weight_transfer_config": None}}
+        self.pause_modes: list[str] = []
         self.completions = 0
         self.reloads = 0
         self.calls: list[str] = []
@@ -48,6 +53,10 @@ class StubServer:
                     return self._send(200, {"data": [{"id": "stub", "root": stub.model_root, "max_model_len": 1024}]})
                 if path == "/is_paused" and stub.dev_mode:
                     return self._send(200, {"is_paused": False})
+                if path == "/server_info" and stub.dev_mode:
+                    return self._send(200, stub.server_info)
+                if path == "/get_world_size" and stub.dev_mode:
+                    return self._send(200, {"world_size": 1})
                 return self._send(404, {"detail": "Not Found"})
 
             def do_POST(self):
@@ -57,9 +66,16 @@ class StubServer:
                 stub.calls.append(f"POST {path}")
                 if path == "/tokenize":
                     return self._send(200, {"tokens": stub.probe_tokens, "count": len(stub.probe_tokens)})
-                if path in ("/pause", "/resume", "/reset_prefix_cache"):
+                if path == "/pause":
+                    from urllib.parse import parse_qs, urlparse
+
+                    stub.pause_modes.append(parse_qs(urlparse(self.path).query).get("mode", ["abort"])[0])
+                if path in ("/pause", "/resume"):
                     return self._send(200, {"status": "ok"})
+                if path == "/reset_prefix_cache":
+                    return self._send(200, {"success": True})
                 if path == "/collective_rpc":
+                    time.sleep(stub.reload_delay)
                     stub.reloads += 1
                     return self._send(200, {"results": [None]})
                 if path == "/v1/completions":

@@ -10,6 +10,7 @@ Layout of :class:`RolloutBatch` (one row per response)::
 Per-token tensors are aligned with ``tokens``: position ``t`` holds the
 log-probability of ``tokens[:, t]`` given everything before it. Keeping one
 alignment everywhere removes the classic off-by-one of shifted logits.
+``version`` is the policy version (weight updates applied) that sampled each row.
 Later stages fill ``logp_old`` (the learner's score pass), ``rewards``,
 ``advantages`` and correction ``weights``.
 """
@@ -36,6 +37,9 @@ class Completion:
     #: MoE models: the experts each input token selected in the engine, [inputs, layers, k]
     #: (inputs = prompt + response − 1: the last token is never fed back)
     routing: torch.Tensor | None = None
+    #: the policy versions (weight updates applied) the engine held when it sampled the first and
+    #: the last token: equal unless a weight update reached the engine mid-response
+    versions: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -52,6 +56,9 @@ class RolloutBatch:
     response_lens: torch.Tensor    # [B]
     group_ids: torch.Tensor        # [B] index of the prompt each response answers
     truncated: torch.Tensor        # [B] bool: finished by max tokens, not EOS
+    #: [B] the policy version that sampled each response (its first token; ``version_last``: its last)
+    version: torch.Tensor | None = None
+    version_last: torch.Tensor | None = None
     logp_old: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -118,4 +125,6 @@ def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] 
         response_lens=torch.tensor([len(c.token_ids) for c in completions]),
         group_ids=torch.tensor([c.prompt_index for c in completions]),
         truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
+        version=torch.tensor([c.versions[0] for c in completions]),
+        version_last=torch.tensor([c.versions[1] for c in completions]),
     )

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from unison.errors import UnisonError
+from unison.errors import Stopped, UnisonError
 
 
 def _csv(text: str) -> list[str]:
@@ -44,6 +44,11 @@ def _add_probe(sub) -> None:
     p.add_argument("--exact", action="store_true",
                    help="also run each precision in exact mode (native engine; docs/exact.md): the engine and "
                         "the learner share one forward, so the mismatch should be exactly 0")
+    p.add_argument("--quantization", default="none",
+                   help="comma-separated rollout weight formats: none, fp8, int8, int4 (weight-only, per output "
+                        "channel; int4 in groups of --quant-group-size); one arm per precision and format against "
+                        "the same learner (default: none)")
+    p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale (default: 64)")
     p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
     p.set_defaults(func=cmd_probe)
 
@@ -56,7 +61,8 @@ def cmd_probe(args) -> int:
     cfg = ProbeConfig(model=args.model, prompts=args.prompts, precisions=_csv(args.precision),
                       engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed, device=args.device,
-                      param_dtypes=_csv(args.param_dtype), exact=args.exact)
+                      param_dtypes=_csv(args.param_dtype), exact=args.exact,
+                      quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
@@ -65,7 +71,7 @@ def cmd_probe(args) -> int:
     console = Console(width=max(Console().width, 170))
     console.print(format_table(out["results"], out["timings"]))
     by = {(r["engine"], r["precision"]): r for r in out["results"]
-          if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"]}
+          if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"] and r["quantization"] == "none"}
     for eng in cfg.engines:
         bf, fp = by.get((eng, "bf16")), by.get((eng, "fp16"))
         if bf and fp:
@@ -173,6 +179,9 @@ def _add_sanity(sub) -> None:
                    help="comma-separated; a -exact suffix runs that arm in exact mode, e.g. "
                         "fp16,bf16,fp32,bf16-exact (default: fp16,bf16,fp32)")
     p.add_argument("--algorithms", default="grpo", help="comma-separated presets (default: grpo)")
+    p.add_argument("--quantization", default="none",
+                   help="comma-separated rollout weight formats (none, fp8, int8, int4): one arm per precision x "
+                        "format x algorithm (default: none)")
     p.add_argument("--seeds", default=None,
                    help="comma-separated RL seeds: one arm per precision x algorithm x seed, sharing the SFT "
                         "model and the filtered set (default: the config's seed, one arm each)")
@@ -198,7 +207,8 @@ def cmd_sanity(args) -> int:
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
     seeds = _int_csv(args.seeds, "--seeds") if args.seeds else None
     summaries, report = run_sanity(cfg, out, _csv(args.precisions), _csv(args.algorithms),
-                                   k=args.k, band=band, max_prompts=args.max_prompts, seeds=seeds)
+                                   k=args.k, band=band, max_prompts=args.max_prompts, seeds=seeds,
+                                   quantizations=_csv(args.quantization))
     console = Console(width=max(Console().width, 140))
     console.print(rich_table(summaries))
     by = {s["arm"]: s for s in summaries}
@@ -290,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
+    except Stopped as e:
+        print(f"unison: {e}", file=sys.stderr)
+        return e.code
     except UnisonError as e:
         print(f"unison: error{_rank_tag()}: {e}", file=sys.stderr)
         return 2

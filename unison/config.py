@@ -78,6 +78,25 @@ class RolloutConfig(_Section):
     #: 0 = off
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(16, ge=1)
+    #: the rollout engine's weight format (unison/quant.py; **contract** key): none | fp8 (e4m3, per
+    #: output channel) | int8 (per output channel) | int4 (symmetric groups of quant_group_size input
+    #: columns). Weight-only, re-quantized from the learner's fp32 masters at every sync; embeddings,
+    #: lm_head, norms and MoE routers stay in rollout_precision, the compute dtype. The learner trains fp32.
+    quantization: Literal["none", "fp8", "int8", "int4"] = "none"
+    #: int4: input columns sharing one scale (must divide every quantized weight's input dimension)
+    quant_group_size: int = Field(64, ge=1)
+    #: asynchronous off-policy RL (docs/async.md; **contract** key): the engine generates up to K batches
+    #: ahead of the learner, so a sample is trained on by weights at most K updates newer than the ones
+    #: that generated it. 0 = the synchronous loop. Native engine: a worker process of its own;
+    #: vllm.mode server: requests in flight. Refused with a colocated vLLM and with exact mode
+    max_staleness: int = Field(0, ge=0)
+    #: when the weights a batch needs have not reached the engine: wait (default; batch j is generated
+    #: with exactly version max(0, j − K)) | drop (generate with the newest weights the engine holds and
+    #: drop groups more than K versions old, counted in staleness/dropped; verl's max_off_policy_strategy)
+    stale_policy: Literal["wait", "drop"] = "wait"
+    #: max_staleness ≥ 1 with the native engine: torch threads of the worker process (default: half the
+    #: cores); the learner takes the rest
+    worker_threads: int | None = Field(None, ge=1)
 
 
 class PolicyConfig(_Section):
@@ -86,8 +105,8 @@ class PolicyConfig(_Section):
 
     #: advantage estimator: drgrpo (R − group mean), grpo (÷ group std), rloo (leave-one-out), batch_norm
     advantage: Literal["drgrpo", "grpo", "rloo", "batch_norm"] | None = None
-    #: policy loss: ppo_clip, gspo, pg_seq_is, pg_seq_mis, pg_token_is
-    loss: Literal["ppo_clip", "gspo", "pg_seq_is", "pg_seq_mis", "pg_token_is"] | None = None
+    #: policy loss: ppo_clip, gspo, pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl
+    loss: Literal["ppo_clip", "gspo", "pg_seq_is", "pg_seq_mis", "pg_token_is", "dppo_tv", "dppo_kl"] | None = None
     #: mismatch correction: none, token_tis, token_mis, seq_tis, seq_mis, geo_rs, veto
     correction: Literal["none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_rs", "veto"] | None = None
     #: upper threshold C of the correction (token_tis 2, token_mis 2, seq_tis 2, seq_mis 10, geo_rs 1.01)
@@ -96,16 +115,25 @@ class PolicyConfig(_Section):
     correction_c_low: float | None = Field(None, ge=0)
     #: veto: drop a response with any token ratio below this (1e-4)
     veto_threshold: float | None = Field(None, gt=0)
-    #: PPO ε (ppo_clip 0.2); gspo: lower band 3e-4
+    #: PPO ε (ppo_clip 0.2); gspo: lower band 3e-4; dppo_tv: δ of the probability band (0.2);
+    #: dppo_kl: δ of the binary-KL band (0.05)
     clip: float | None = Field(None, gt=0, lt=1)
     #: upper clip ε when asymmetric (gspo 4e-4; None = same as clip)
     clip_high: float | None = Field(None, gt=0)
-    #: pg_seq_mis: mask responses whose π(y)/μ(y) exceeds this (3)
+    #: pg_seq_mis: mask responses whose π(y)/μ(y) exceeds this (3); dppo_*: cap of the token ratio
+    #: weight (None = no cap)
     loss_c: float | None = Field(None, gt=0)
+    #: dppo_*: weight of the (log π − log π_old)² term (dppo_tv 1e-3, prime-rl's kl_tau)
+    kl_tau: float | None = Field(None, ge=0)
     #: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm (Dr.GRPO)
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
                       "seq_mean_token_sum_norm"] | None = None
-    #: use log μ as log π_old and skip the learner's score pass (verl bypass_mode)
+    #: which log π is π_old (docs/algorithms.md, "Anchors"): recompute (the learner's score pass, or the
+    #: training forward itself with one mini-batch; AReaL's decoupled PPO with a correction) | bypass
+    #: (log μ, no score pass: verl bypass_mode, prime-rl, SkyRL) | loglinear (AReaL's log-linear
+    #: interpolation between μ and π_θ by policy version, no score pass). None = recompute
+    anchor: Literal["recompute", "bypass", "loglinear"] | None = None
+    #: shorthand for anchor: bypass
     bypass: bool = False
 
 
@@ -179,6 +207,9 @@ class TrainConfig(_Section):
     #: with one mini-batch (one optimizer step per rollout, θ = θ_old), take log π_old and the
     #: mismatch from the training forward instead of a separate score pass (one forward fewer)
     fuse_score_pass: bool = True
+    #: warn once when this many consecutive steps had nothing to learn from (every group's rewards
+    #: equal, or a zero gradient), with the likely cause; 0 = never
+    no_signal_steps: int = Field(5, ge=0)
 
 
 class VLLMConfig(_Section):
@@ -266,10 +297,24 @@ class ScalerConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    #: save every N steps (0 = only at the end)
+    """Checkpoints (README, "Nothing lost"): periodic, at the end, and on SIGTERM / Ctrl-C."""
+
+    #: save every N steps (0 = by time only)
     every: int = Field(0, ge=0)
-    #: checkpoints kept (older ones are deleted)
+    #: also save when this many minutes have passed since the last checkpoint (0 = by steps only)
+    every_minutes: float = Field(10.0, ge=0)
+    #: checkpoints kept (older ones are deleted); 2 lets --resume fall back past a damaged newest one
     keep: int = Field(2, ge=1)
+
+
+class MismatchConfig(_Section):
+    """Mismatch telemetry beyond the per-step ``mismatch/*`` metrics."""
+
+    #: every N steps, split the mismatch of off-policy samples into numerics and staleness
+    #: (``mismatch/numeric_k3``: μ vs the learner under the weights that generated the sample;
+    #: ``mismatch/staleness_k3``: those weights vs π_old) — one extra score pass per older version in
+    #: the batch; 0 = off. Free when every sample is on-policy (max_staleness 0)
+    decompose_every: int = Field(1, ge=0)
 
 
 class LogConfig(_Section):
@@ -316,6 +361,7 @@ class Config(_Section):
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    mismatch: MismatchConfig = MismatchConfig()
     log: LogConfig = LogConfig()
 
     @field_validator("precision", "rollout_precision", "learner_precision")

@@ -11,3 +11,12 @@ class UnisonError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))  # always one line
+
+
+class Stopped(Exception):
+    """A run stopped on a signal after saving a checkpoint; the CLI exits with ``code`` (143 for
+    SIGTERM, 130 for SIGINT) after printing the message in one line."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code

@@ -213,3 +213,10 @@ def full_allowed(key_ok: torch.Tensor) -> torch.Tensor:
     causal = torch.ones((K, K), dtype=torch.bool, device=key_ok.device).tril()
     eye = torch.eye(K, dtype=torch.bool, device=key_ok.device)
     return (causal[None] & key_ok[:, None, :]) | eye[None]
+
+
+def divergence_report(learner, engine, batch, rows, logp_pi) -> str:
+    """Where exact mode's two sides first differ (for the step-1 error)."""
+    from unison.mismatch import first_difference
+
+    return first_difference(logp_pi[rows], batch.logp_mu[rows], batch.response_mask[rows]) or "nowhere"

@@ -365,12 +365,31 @@ class Learner:
         ws, mbs = self.dist.world_size, self.micro_batch_size
         return [list(rows[r::ws].split(mbs)) for r in range(ws)]
 
+    @property
+    def can_score_other_weights(self) -> bool:
+        """Whether :meth:`score` takes ``weights`` (one process, full weights, no adapters)."""
+        return not self.sharded and self.peft is None
+
     @torch.no_grad()
-    def score(self, batch: RolloutBatch) -> torch.Tensor:
+    def score(self, batch: RolloutBatch, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """log π for every position of ``batch.tokens`` ([B, L], fp32, 0 off-response).
 
         Collective when sharded: each rank scores its share, every rank gets the whole tensor.
+        ``weights`` (HF names -> fp32 tensors, e.g. an older policy version): score under those
+        instead of the learner's own, without copying them (one process only).
         """
+        if weights is not None:
+            if not self.can_score_other_weights:
+                raise RuntimeError("scoring under other weights needs one process and no LoRA adapters")
+            params = dict(self.model.named_parameters())
+            saved = {n: params[n].data for n in weights}
+            try:
+                for n, w in weights.items():
+                    params[n].data = w.view(params[n].shape)
+                return self.score(batch)
+            finally:
+                for n, d in saved.items():
+                    params[n].data = d
         self.model.eval()
         shares = self._shares(torch.arange(batch.size))
         mine = shares[self.dist.rank]
@@ -401,13 +420,14 @@ class Learner:
         return self.dist.all_reduce_(shifted, "sum") - 1
 
     # ----------------------------------------------------------------- update
-    def train(self, batch: RolloutBatch, weights, lr: float, seed: int = 0) -> UpdateStats:
+    def train(self, batch: RolloutBatch, old_logp, weights, lr: float, seed: int = 0) -> UpdateStats:
         """``train.mini_batches`` optimizer steps on ``batch`` (collective when sharded).
 
-        ``weights``: the correction's per-token weights [B, L], or a function
-        ``(logp_old, logp_mu, mask) -> weights`` evaluated per micro-batch when
-        ``batch.logp_old`` is None — then log π_old is the detached training
-        forward itself (one optimizer step on fresh rollouts: θ = θ_old).
+        ``old_logp(rows, logp, logp_mu, mini_batch_index)``: log π_old of a micro-batch's rows
+        (:class:`unison.algorithms.anchors.OldLogp`: the score pass, μ, the detached training
+        forward itself, or AReaL's log-linear approximation). ``weights``: the correction's
+        per-token weights [B, L], or a function ``(logp_old, logp_mu, mask) -> weights``
+        evaluated per micro-batch on that log π_old.
         The rows are split into mini-batches by a permutation seeded with ``seed``;
         every normaliser counts the whole mini-batch on every rank.
         """
@@ -454,7 +474,7 @@ class Learner:
                 logp, ent = self._forward(batch, rows, return_entropy=True,
                                           routing_out=routing_first if first else None)
                 mu = batch.logp_mu[rows].to(self.device)
-                old = logp.detach() if batch.logp_old is None else batch.logp_old[rows].to(self.device)
+                old = old_logp(rows, logp, mu, mb_i)
                 w = weights(old, mu, m) if callable(weights) else weights[rows].to(self.device)
                 per_tok, lm = loss_fn(logp, old, mu, batch.advantages[rows].to(self.device), w, m, **loss_kw)
                 loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, self.max_new_tokens)

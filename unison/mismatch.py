@@ -126,6 +126,30 @@ def chi2_seq(logp_pi, logp_mu, mask) -> torch.Tensor:
     return torch.expm1(2 * R).mean()
 
 
+#: the band of token TIS / token MIS (Paper A: C = 2; IcePop's lower 0.5) and seq-MIS's C (Paper A: 10):
+#: the clip-fraction metrics say how much of a batch those corrections would touch
+TOKEN_RHO_BAND = (0.5, 2.0)
+SEQ_RHO_C = 10.0
+
+
+def token_rho_outside_fraction(logp_pi, logp_mu, mask, band=TOKEN_RHO_BAND) -> torch.Tensor:
+    """Fraction of response tokens whose ρ_t = π/μ lies outside [low, high] (compared in log space):
+    the tokens token TIS would truncate (ρ_t > high) or token MIS would mask. 0 for no tokens."""
+    m = mask.float()
+    r = log_ratio(logp_pi, logp_mu, m)
+    out = ((r < math.log(band[0])) | (r > math.log(band[1]))).float()
+    return _tok_mean(out, m)
+
+
+def seq_rho_over_fraction(logp_pi, logp_mu, mask, c: float = SEQ_RHO_C) -> torch.Tensor:
+    """Fraction of responses whose sequence ratio ρ(y) = Π_t ρ_t exceeds ``c``: those seq-MIS drops."""
+    m = mask.float()
+    has = m.sum(-1) > 0
+    if not bool(has.any()):
+        return torch.zeros(())
+    return (seq_log_ratio(logp_pi, logp_mu, m)[has] > math.log(c)).float().mean()
+
+
 def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, float]:
     """Every ``mismatch/*`` metric of the contract, as Python floats.
@@ -133,7 +157,9 @@ def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor,
     ``log_ppl_diff`` = mean_y(log PPL_π − log PPL_μ); ``log_ppl_abs_diff`` its
     mean absolute value; ``ppl_ratio`` = mean_y(PPL_π / PPL_μ). Also
     ``abs_logp_diff_mean/max`` (mean/max |r_t|, the figure TRL
-    reports), ``seq_kl_k3`` (see :func:`seq_kl_k3`), ``identical_fraction`` (the share of
+    reports), ``seq_kl_k3`` (see :func:`seq_kl_k3`), ``token_rho_outside_fraction`` (ρ_t outside
+    [0.5, 2]: what token TIS/MIS would touch), ``seq_rho_over_c_fraction`` (ρ(y) > 10: what seq-MIS
+    drops), ``identical_fraction`` (the share of
     tokens whose log π and log μ are bitwise equal: 1.0 in exact mode) and ``num_tokens`` /
     ``num_sequences``.
     """
@@ -160,6 +186,8 @@ def mismatch_metrics(logp_pi: torch.Tensor, logp_mu: torch.Tensor,
         "mismatch/ppl_ratio": lpd.clamp(-EXP_CLAMP, EXP_CLAMP).exp().mean() if lpd.numel() else torch.ones(()),
         "mismatch/chi2_token": chi2_token(logp_pi, logp_mu, m),
         "mismatch/chi2_seq": chi2_seq(logp_pi, logp_mu, m),
+        "mismatch/token_rho_outside_fraction": token_rho_outside_fraction(logp_pi, logp_mu, m),
+        "mismatch/seq_rho_over_c_fraction": seq_rho_over_fraction(logp_pi, logp_mu, m),
     }
     metrics = {k: float(v) for k, v in out.items()}
     sel = m.bool()

@@ -276,6 +276,16 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     return model.to(device).eval()
 
 
+def model_shell(model_dir: Path):
+    """The model's modules with parameters on the meta device (shapes only, no memory, no weights
+    read): for checks that need the architecture before anything is loaded."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config(model_dir))
+
+
 def model_config(model_dir: Path):
     """The model's ``PretrainedConfig``, read without loading any weights."""
     from transformers import AutoConfig

@@ -25,6 +25,7 @@ from unison.learner import Learner
 from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
 from unison.models import load_tokenizer, model_config, resolve_model_dir
 from unison.precision import Precision, parse_precision
+from unison.quant import check_format_available, parse_quantization
 from unison.rollout import SamplingParams, check_engine_available, make_engine, parse_engine
 
 
@@ -44,6 +45,10 @@ class ProbeConfig:
     param_dtypes: list[str] = field(default_factory=lambda: ["fp32"])
     #: also run each native arm in exact mode (unison/exact.py): one forward, one layout
     exact: bool = False
+    #: rollout weight formats (unison/quant.py): one arm per (engine, precision, quantization)
+    quantizations: list[str] = field(default_factory=lambda: ["none"])
+    #: int4: input columns per scale
+    quant_group_size: int = 64
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -80,6 +85,7 @@ class ProbeInputs:
     model_dir: Path
     precisions: list[str]
     engines: list[str]
+    quantizations: list[str]
     prompts: list[str]
     tokenizer: object
     prompt_ids: list[list[int]]
@@ -91,6 +97,14 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     model's context (``max_position_embeddings``) — before any engine is built."""
     precisions = [parse_precision(p) for p in cfg.precisions]
     engines = [parse_engine(e) for e in cfg.engines]
+    quantizations = [parse_quantization(q) for q in cfg.quantizations]
+    if not quantizations:
+        raise UnisonError("--quantization is empty: name at least one of none, fp8, int8, int4")
+    for q in quantizations:
+        check_format_available(q)
+        if q != "none" and engines != ["native"]:
+            raise UnisonError(f"--quantization {q} runs on the native engine (vLLM quantizes only on GPUs, as "
+                              f"`rollout.quantization: fp8` in training): use --engine native")
     for e in engines:
         check_engine_available(e)
     if not precisions:
@@ -116,7 +130,15 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
                     f"{source}:{line}: the prompt has {len(ids)} tokens; with --max-new-tokens "
                     f"{cfg.max_new_tokens} that exceeds the model's context of {limit} "
                     f"(max_position_embeddings): shorten or drop that prompt, or lower --max-new-tokens")
-    return ProbeInputs(model_dir, precisions, engines, prompts, tokenizer, prompt_ids)
+    if any(q != "none" for q in quantizations):  # int4 group size vs this model's weights, before sampling
+        from unison.models import model_shell
+        from unison.quant import check_targets
+
+        shell = model_shell(model_dir)
+        for q in quantizations:
+            if q != "none":
+                check_targets(shell, q, cfg.quant_group_size)
+    return ProbeInputs(model_dir, precisions, engines, quantizations, prompts, tokenizer, prompt_ids)
 
 
 def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
@@ -132,7 +154,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                             seed=cfg.seed)
     learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature)
     width = max(len(p) for p in prompt_ids)
-    arms = [(e, p, False) for e in engines for p in precisions]
+    arms = [(e, p, q, False) for e in engines for p in precisions for q in inputs.quantizations]
     if cfg.exact:
         if "native" not in engines:
             raise UnisonError("--exact needs the native engine: add native to --engine")
@@ -140,14 +162,16 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
 
         check_supported(model_config(model_dir), "--exact")
         exact_learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature, exact=True)
-        arms += [("native", p, True) for p in precisions]
+        arms += [("native", p, "none", True) for p in precisions]
     results, samples, timings = [], [], []
-    for engine_name, prec_name, exact in arms:
+    for engine_name, prec_name, quant, exact in arms:
         prec = Precision.resolve(prec_name)
-        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}"
-        log(f"[probe] {label}: loading engine ({prec.rollout})")
+        qtag = "" if quant == "none" else f"/{quant}"
+        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}{qtag}"
+        log(f"[probe] {label}: loading engine ({prec.rollout}{', weights ' + quant if qtag else ''})")
         engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
-                             seed=cfg.seed, exact=exact, prompt_width=width if exact else None)
+                             seed=cfg.seed, exact=exact, prompt_width=width if exact else None,
+                             quantization=quant, quant_group_size=cfg.quant_group_size)
         log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
             f"(max {cfg.max_new_tokens} new tokens)")
         t0 = time.perf_counter()
@@ -179,6 +203,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             results.append({
                 "engine": engine_name,
                 "precision": prec.label,
+                "quantization": quant,
                 "param_dtype": pd,
                 "exact": exact,
                 **metrics,
@@ -189,15 +214,16 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             })
             sel = mask.bool()
             samples.append({"engine": engine_name + ("-exact" if exact else ""),
-                            "precision": prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}",
+                            "precision": (prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}") + qtag,
                             "p_pi": logp_pi[sel].exp().tolist(), "p_mu": batch.logp_mu[sel].exp().tolist(),
                             "seq_log_ratio": seq_lr.tolist(), "lengths": lengths.tolist()})
-            timings.append({"engine": engine_name, "precision": prec.label, "rollout_s": t_roll,
+            timings.append({"engine": engine_name, "precision": prec.label, "quantization": quant, "rollout_s": t_roll,
                             "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
                             "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
         del engine
     config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
-              "precisions": precisions, "engines": engines, "num_prompts": len(prompts)}
+              "precisions": precisions, "engines": engines, "quantizations": inputs.quantizations,
+              "num_prompts": len(prompts)}
     return {"results": results, "config": config, "samples": samples, "timings": timings}
 
 
@@ -232,14 +258,19 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
         cols.append(("params", "param_dtype"))
     if any(r.get("exact") for r in results):
         cols.append(("exact", "exact"))
+    quantized = any(r.get("quantization", "none") != "none" for r in results)
+    if quantized:
+        cols.append(("weights", "quantization"))
     cols += [("tokens", "mismatch/num_tokens"),
              ("mean len", "mean_response_length"), ("token k3", "mismatch/k3"),
              ("seq KL", "mismatch/seq_kl"), ("seq KL (k3)", "mismatch/seq_kl_k3"), ("mean |π−μ|", "mismatch/prob_diff_mean"),
              ("max |π−μ|", "mismatch/prob_diff_max"), ("slope/1K", "seq_log_ratio_slope_per_1k")]
+    if quantized:  # what a correction would do: token TIS/MIS clip fraction, seq-MIS drop fraction
+        cols += [("ρ∉[½,2]", "mismatch/token_rho_outside_fraction"), ("seq ρ>10", "mismatch/seq_rho_over_c_fraction")]
     if any("mismatch/router_disagreement" in r for r in results):  # MoE
         cols += [("router disagr.", "mismatch/router_disagreement"), ("k3 (replay)", "mismatch/k3_routing_replay")]
     for name, _ in cols:
-        table.add_column(name, justify="left" if name in ("engine", "precision", "params") else "right")
+        table.add_column(name, justify="left" if name in ("engine", "precision", "params", "weights") else "right")
     if timings:
         table.add_column("tok/s", justify="right")
         table.add_column("peak RSS GiB", justify="right")

@@ -57,7 +57,9 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
 
 def arm_label(cfg: dict, run_dir: Path) -> str:
     if cfg.get("precision") and cfg.get("algo"):
-        return f"{cfg['precision']}{'-exact' if cfg.get('exact') else ''}/{cfg['algo']}"
+        quant = (cfg.get("rollout") or {}).get("quantization") or "none"
+        return (f"{cfg['precision']}{'-exact' if cfg.get('exact') else ''}"
+                f"{'' if quant == 'none' else '/' + quant}/{cfg['algo']}")
     return run_dir.name
 
 

@@ -41,14 +41,22 @@ def sanity_config(path: str | None, overrides: list[str]) -> Config:
 
 def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[str], k: int = 8,
                band=None, max_prompts: int | None = 32, log=lambda m: print(m, file=sys.stderr, flush=True),
-               seeds: list[int] | None = None):
+               seeds: list[int] | None = None, quantizations: list[str] | None = None):
     from unison.algorithms.presets import PRESETS
     from unison.filter import run_filter
     from unison.report import summarize, write_report
     from unison.sft import run_sft
     from unison.trainer import Trainer
 
+    from unison.quant import check_format_available, parse_quantization
+
     precisions = [parse_arm_precision(p) for p in precisions]
+    quantizations = [parse_quantization(q) for q in (quantizations or ["none"])]
+    for q in quantizations:
+        check_format_available(q)
+        if q != "none" and any(p.endswith("-exact") for p in precisions):
+            raise UnisonError(f"--quantization {q} with an exact arm: exact mode needs the engine to hold the "
+                              f"learner's weights; run exact arms with --quantization none")
     if not precisions:
         raise UnisonError("--precisions is empty: name at least one of fp32, bf16, fp16")
     if not algorithms:
@@ -76,18 +84,20 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
         log(f"[sanity] 2/4 filter: pass rate over k={k} samples per prompt")
         run_filter(rl_base, perf, k=k, band=band, max_prompts=max_prompts, log=log)
 
-    arms = [(p, a, s) for a in algorithms for p in precisions for s in (seeds or [cfg.seed])]
+    arms = [(p, q, a, s) for a in algorithms for q in quantizations for p in precisions
+            for s in (seeds or [cfg.seed])]
     total_steps = cfg.train.steps * len(arms)
     done_steps, step_time = 0, {}
     arm_dirs = []
-    for i, (prec, algo, seed) in enumerate(arms, 1):
-        name = f"{prec}-{algo}" + (f"-s{seed}" if seeds else "")
+    for i, (prec, quant, algo, seed) in enumerate(arms, 1):
+        name = f"{prec}-{'' if quant == 'none' else quant + '-'}{algo}" + (f"-s{seed}" if seeds else "")
         run_dir = out / "arms" / name
         arm_dirs.append(run_dir)
         exact = prec.endswith("-exact")
         arm_cfg = config_from_dict(merge(rl_base.model_dump(mode="json"),
                                          {"precision": prec.removesuffix("-exact"), "exact": exact, "algo": algo,
-                                          "seed": seed, "task": {"path": str(perf)}}))
+                                          "seed": seed, "task": {"path": str(perf)},
+                                          "rollout": {"quantization": quant}}))
         log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} ({cfg.train.steps} steps)")
         trainer = Trainer(arm_cfg, run_dir, resume=run_dir.exists(), log=log)
         t_arm, start = time.perf_counter(), trainer.step
@@ -96,7 +106,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
             per = (time.perf_counter() - _t) / max(_tr.step - _start, 1)
             step_time[_prec] = per
             arm_left = (cfg.train.steps - _tr.step) * per
-            later = sum(step_time.get(p, per) * cfg.train.steps for p, _, _ in arms[_i:])
+            later = sum(step_time.get(p, per) * cfg.train.steps for p, _, _, _ in arms[_i:])
             log(f"[sanity] arm {_i}/{len(arms)} {_name} step {m['step']}/{cfg.train.steps} "
                 f"reward {m.get('reward/mean', float('nan')):.3f} k3 {m.get('mismatch/k3', float('nan')):.2e} "
                 f"ETA arm {_fmt_s(arm_left)}, all {_fmt_s(arm_left + later)}")
@@ -106,7 +116,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
         done_steps += cfg.train.steps
     log(f"[sanity] 4/4 report ({done_steps}/{total_steps} steps in {_fmt_s(time.perf_counter() - t_all)})")
     report = write_report(arm_dirs, out, title="unison sanity test",
-                          notes=_notes(cfg, precisions, algorithms, perf))
+                          notes=_notes(cfg, precisions, algorithms, perf, quantizations))
     return [summarize(d) for d in arm_dirs], report
 
 
@@ -136,10 +146,11 @@ def _preflight(cfg: Config, algorithms: list[str]) -> None:
     make_reward(make_task(cfg.task), cfg.task)
 
 
-def _notes(cfg, precisions, algorithms, perf) -> str:
+def _notes(cfg, precisions, algorithms, perf, quantizations=("none",)) -> str:
     n = sum(1 for _ in open(perf))
+    quant = "" if list(quantizations) == ["none"] else f", rollout weight format ({', '.join(quantizations)})"
     return (f"Same seed ({cfg.seed}) and configuration for every arm; only the precision "
-            f"({', '.join(precisions)}) and algorithm ({', '.join(algorithms)}) change. Model: SFT "
+            f"({', '.join(precisions)}){quant} and algorithm ({', '.join(algorithms)}) change. Model: SFT "
             f"warm start of `{cfg.model}` on {cfg.task.name}; training set: {n} perfectible prompts "
             f"(`{perf.name}`); {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} samples per step, "
             f"{cfg.train.steps} steps, lr {cfg.train.lr}. A sound run drives the training accuracy "

@@ -121,8 +121,68 @@ def pg_token_is(logp, logp_old, logp_mu, adv, weights, mask, **_):
     return per_token, {"policy/clip_fraction": 0.0}
 
 
+def _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau):
+    """The DPPO update on the kept tokens: −keep · w · A · sg[min(r, C)] · log π_θ, r = π_θ/π_old,
+    plus ``kl_tau`` · (log π_θ − log π_old)² on every response token."""
+    m = mask.float()
+    log_r = _masked_log_ratio(logp, logp_old, m)
+    r = log_r.detach().exp()
+    if loss_c is not None:
+        r = r.clamp(max=loss_c)
+    a = adv[:, None].to(r.dtype)
+    per_token = -(keep.float() * weights.detach() * r * a) * logp * m
+    if kl_tau:
+        per_token = per_token + kl_tau * log_r.pow(2) * m
+    with torch.no_grad():
+        n = m.sum().clamp(min=1)
+        metrics = {"policy/clip_fraction": float(((~keep) & m.bool()).float().sum() / n),
+                   "policy/ppo_kl": float((-log_r).mul(m).sum() / n),
+                   "policy/ppo_kl_k3": float((torch.expm1(log_r) - log_r).mul(m).sum() / n)}
+    return per_token, metrics
+
+
+def dppo_tv(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.2, clip_high: float | None = None,
+            loss_c: float | None = None, kl_tau: float = 0.0, **_):
+    """DPPO with the binary total-variation trust region (DPPO, arXiv 2602.04879; verl
+    ``compute_policy_loss_dppo_tv``; prime-rl's default loss "DPPO-Binary-TV").
+
+    The trust region lives in probability space: with p = π_θ(y_t), p_old = π_old(y_t), a token
+    is kept iff it has not yet moved past the band in the advantage's direction,
+
+        A > 0: p − p_old ≤ δ_high,     A ≤ 0: p − p_old ≥ −δ_low     (δ = ``clip``/``clip_high``, 0.2),
+
+    and a kept token takes the policy-gradient step weighted by the ratio r_t = p/p_old:
+    ℓ_t = −keep_t · w_t · A · sg[min(r_t, C)] · log π_θ(y_t) (C = ``loss_c``, None = no cap) +
+    ``kl_tau`` · (log π_θ − log π_old)² (prime-rl's 1e-3, no ½). With ``policy.anchor: bypass``
+    π_old is μ, prime-rl's setting; the loss value differs from prime-rl's −keep·A·r, its gradient
+    A·r·∇log π does not.
+    """
+    hi = clip if clip_high is None else clip_high
+    dp = logp.detach().exp() - logp_old.exp()
+    keep = torch.where(adv[:, None] > 0, dp <= hi, dp >= -clip)
+    return _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau)
+
+
+def dppo_kl(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.05, clip_high: float | None = None,
+            loss_c: float | None = None, kl_tau: float = 0.0, **_):
+    """DPPO with the binary KL trust region (verl ``compute_policy_loss_dppo_kl``): the divergence of
+    the Bernoulli "this token or not" between π_old and π_θ,
+
+        D_t = p_old log(p_old/p) + (1 − p_old) log((1 − p_old)/(1 − p))   (+1e-8 inside the logs),
+
+    keeps a token iff A > 0: D_t ≤ δ_high or p ≤ p_old; A ≤ 0: D_t ≤ δ_low or p ≥ p_old
+    (δ = ``clip``/``clip_high``, verl's example 0.05); the update on kept tokens is as in
+    :func:`dppo_tv`."""
+    hi = clip if clip_high is None else clip_high
+    p, q = logp.detach().exp(), logp_old.exp()
+    eps = 1e-8
+    d = q * torch.log((q + eps) / (p + eps)) + (1 - q) * torch.log((1 - q + eps) / (1 - p + eps))
+    keep = torch.where(adv[:, None] > 0, (d <= hi) | (p <= q), (d <= clip) | (p >= q))
+    return _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau)
+
+
 LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "pg_seq_is": pg_seq_is, "pg_seq_mis": pg_seq_mis,
-          "pg_token_is": pg_token_is}
+          "pg_token_is": pg_token_is, "dppo_tv": dppo_tv, "dppo_kl": dppo_kl}
 #: losses that already weight by π/μ themselves: a further correction would apply it twice
 SELF_CORRECTING = {"pg_seq_is", "pg_seq_mis", "pg_token_is"}
 #: losses whose ratio is a sequence quantity: token-level corrections do not compose

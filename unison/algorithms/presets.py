@@ -31,10 +31,16 @@ PRESETS: dict[str, dict] = {
     "pg_seq_mis": dict(_PG, loss="pg_seq_mis", loss_c=3.0),
     # PG-Token-IS: −sg[π(y_t)/μ(y_t)]·A·log π(y_t), unclipped
     "pg_token_is": dict(_PG, loss="pg_token_is"),
+    # DPPO-Binary-TV (prime-rl's default): mask a token once π − π_old leaves ±0.2 in the advantage's
+    # direction, ratio-weighted policy gradient elsewhere, + 1e-3·(log π − log π_old)²; with
+    # policy.anchor=bypass π_old is μ, as in prime-rl
+    "dppo_tv": dict(_PG, loss="dppo_tv", clip=0.2, clip_high=0.2, kl_tau=1e-3),
+    # DPPO-Binary-KL (verl dppo_kl): the band on the Bernoulli KL, δ = 0.05
+    "dppo_kl": dict(_PG, loss="dppo_kl", clip=0.05, clip_high=0.05),
 }
 
 _POLICY_KEYS = ("advantage", "loss", "correction", "correction_c", "correction_c_low", "veto_threshold",
-                "clip", "clip_high", "loss_c", "loss_agg", "bypass")
+                "clip", "clip_high", "loss_c", "loss_agg", "kl_tau", "anchor", "bypass")
 
 
 def resolve_policy(algo: str, policy) -> dict:
@@ -52,6 +58,13 @@ def resolve_policy(algo: str, policy) -> dict:
     for key, value in policy.model_dump().items():
         if value is not None:
             out[key] = value
+    if out["bypass"]:  # policy.bypass: true is policy.anchor: bypass
+        if out["anchor"] not in (None, "bypass"):
+            raise UnisonError(f"policy.bypass is true but policy.anchor is '{out['anchor']}': set one of them "
+                              f"(bypass ≡ anchor=bypass)")
+        out["anchor"] = "bypass"
+    out["anchor"] = out["anchor"] or "recompute"
+    out["bypass"] = out["anchor"] == "bypass"
     if out["loss"] in SELF_CORRECTING and out["correction"] != "none":
         raise UnisonError(f"policy.correction '{out['correction']}' cannot be combined with loss "
                           f"'{out['loss']}', which already weights by π/μ: set policy.correction=none")
@@ -69,5 +82,6 @@ def correction_kwargs(policy: dict) -> dict:
 
 
 def loss_kwargs(policy: dict) -> dict:
-    kw = {"clip": policy["clip"], "clip_high": policy["clip_high"], "loss_c": policy["loss_c"]}
+    kw = {"clip": policy["clip"], "clip_high": policy["clip_high"], "loss_c": policy["loss_c"],
+          "kl_tau": policy["kl_tau"]}
     return {k: v for k, v in kw.items() if v is not None}

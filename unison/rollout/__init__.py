@@ -8,6 +8,7 @@ learner's scoring code: the gap between the two is what unison measures.
 from __future__ import annotations
 
 from unison.errors import UnisonError
+from unison.quant import DEFAULT_GROUP
 from unison.rollout.base import RolloutEngine, SamplingParams
 
 ENGINES = ("native", "vllm")
@@ -20,7 +21,9 @@ def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options) -> 
         from unison.rollout.native import NativeEngine
 
         return NativeEngine(model_dir, dtype=dtype, device=device, exact=options.get("exact", False),
-                            prompt_width=options.get("prompt_width"))
+                            prompt_width=options.get("prompt_width"),
+                            quantization=options.get("quantization", "none"),
+                            quant_group_size=options.get("quant_group_size", DEFAULT_GROUP))
     if name == "vllm":
         from unison.rollout.vllm_engine import VLLMEngine, VLLMServerEngine
 

@@ -28,6 +28,7 @@ from unison.batch import Completion
 from unison.errors import UnisonError
 from unison.exact import ExactForward, full_allowed, token_logp
 from unison.models import load_model, load_tokenizer
+from unison.quant import DEFAULT_GROUP, check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 
 
@@ -37,7 +38,8 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 exact: bool = False, prompt_width: int | None = None):
+                 exact: bool = False, prompt_width: int | None = None, quantization: str = "none",
+                 quant_group_size: int = DEFAULT_GROUP):
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -59,6 +61,15 @@ class NativeEngine:
         if exact:
             self.exact = ExactForward(self.model)
         self._params = dict(self.model.named_parameters())
+        #: rollout.quantization (unison/quant.py): these weights hold quantize→dequantize of what is loaded
+        self.quantization, self.quant_group_size = quantization, quant_group_size
+        self._quant: dict[str, int] = {}
+        if quantization != "none":
+            if exact:
+                raise UnisonError("exact mode needs the engine to hold the learner's weights: set "
+                                  "rollout.quantization=none or exact=false")
+            self._quant = {t.name: t.in_dim for t in check_targets(self.model, quantization, quant_group_size)}
+            self.load_weights((n, self._params[n].detach().float()) for n in list(self._quant))
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -70,8 +81,9 @@ class NativeEngine:
 
     # ------------------------------------------------------ the engine protocol
     def sync_weights(self, learner) -> dict[str, float]:
-        """Take the learner's weights, cast to this engine's dtype on the learner's side."""
-        self.load_weights(learner.export_weights(self.dtype))
+        """Take the learner's weights, cast to this engine's dtype on the learner's side (quantized
+        rollout: the fp32 masters, quantized here)."""
+        self.load_weights(learner.export_weights(None if self._quant else self.dtype))
         return {}
 
     def sleep(self) -> None:
@@ -106,13 +118,17 @@ class NativeEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy weights (any dtype) into the engine, cast to its dtype. Returns how many."""
+        """Copy weights (any dtype) into the engine, cast to its dtype (quantized rollout: the
+        decoder's linear weights quantized, then dequantized to it). Returns how many."""
         count = 0
         for name, tensor in named_tensors:
             param = self._params.get(name)
             if param is None:
                 raise UnisonError(f"weight '{name}' does not exist in the rollout model: "
                                   f"sync from a learner built on the same architecture")
+            if name in self._quant:
+                tensor = fake_quantize(tensor, self.quantization, param.dtype, self._quant[name],
+                                       self.quant_group_size)
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             count += 1
         return count

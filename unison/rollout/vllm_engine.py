@@ -66,6 +66,23 @@ def check_vllm() -> None:
         raise UnisonError(INSTALL_HINT)
 
 
+def check_vllm_quantization(quantization: str, dtype: torch.dtype, device_type: str) -> None:
+    """What vLLM can do with ``rollout.quantization``: online fp8 (W8A8, dynamic activation scales) of
+    a full-precision checkpoint on GPUs, with bf16 or fp16 compute. Refused in one line otherwise."""
+    if quantization == "none":
+        return
+    if device_type != "cuda":
+        raise UnisonError(f"rollout.quantization {quantization} with engine vllm: vLLM's CPU backend has no online "
+                          f"weight quantization (its fp8 kernels are placeholders); use engine=native, which "
+                          f"quantizes on any device")
+    if quantization != "fp8":
+        raise UnisonError(f"rollout.quantization {quantization} with engine vllm: vLLM quantizes a full-precision "
+                          f"checkpoint online only to fp8; use quantization=fp8, or engine=native for {quantization}")
+    if dtype == torch.float32:
+        raise UnisonError("rollout.quantization fp8 with engine vllm needs rollout_precision bf16 or fp16 (vLLM "
+                          "refuses fp8 with float32): set rollout_precision=bf16")
+
+
 def _quiet_vllm() -> None:
     """vLLM warns on every in-place reload that rotary embeddings have no checkpoint tensors
     (they are recomputed, as intended): silence that one logger."""
@@ -78,6 +95,20 @@ def _prompt_seeds(params: SamplingParams, n_prompts: int) -> list[int]:
     """One seed per prompt (vLLM seeds a request; its n samples follow from it)."""
     seeds = row_seeds(SamplingParams(**{**params.__dict__, "n": 1}), n_prompts)
     return [s % (2**31 - 1) for s in seeds]
+
+
+def _find_key(node, key):
+    """The first value of ``key`` anywhere in a JSON document (depth-first), else None."""
+    if isinstance(node, dict):
+        if key in node:
+            return node[key]
+        node = list(node.values())
+    if isinstance(node, list):
+        for v in node:
+            found = _find_key(v, key)
+            if found is not None:
+                return found
+    return None
 
 
 def _completion(prompt, pi, si, toks, lps, finish, greedy) -> Completion:
@@ -96,8 +127,9 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enable_sleep_mode: bool = False, max_model_len: int | None = None, seed: int = 0,
-                 sleep_level: int = 2, **_):
+                 sleep_level: int = 2, quantization: str = "none", **_):
         check_vllm()
+        check_vllm_quantization(quantization, dtype, torch.device(device).type)
         from unison.distributed import current
 
         d = current()
@@ -130,6 +162,9 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if not on_cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+        if quantization == "fp8":  # online dynamic fp8 (W8A8); reload_weights re-quantizes (UNTESTED on GPU)
+            kwargs["quantization"] = "fp8"
+        self.quantization = quantization
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(self.llm.llm_engine.model_config.hf_config, "eos_token_id", None)
@@ -230,7 +265,7 @@ class VLLMServerEngine:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  url: str | None = None, weight_sync: str = "auto", sync_dir: str | None = None,
                  request_timeout_s: float = 600.0, retries: int = 3, seed: int = 0, max_len: int | None = None,
-                 **_):
+                 quantization: str = "none", **_):
         import httpx
 
         from unison.distributed import current
@@ -264,6 +299,7 @@ class VLLMServerEngine:
             ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self.eos_ids = sorted(ids)
         self.pad_id = int(self.tokenizer.pad_token_id)
+        self.quantization = quantization
         self._check_server(cfg, max_len)
 
     # ------------------------------------------------------------------ http
@@ -317,11 +353,27 @@ class VLLMServerEngine:
         if max_len and served_len and served_len < max_len:
             raise UnisonError(f"vLLM server at {self.url} serves at most {served_len} tokens, the run needs "
                               f"{max_len}: restart it with --max-model-len {max_len}")
+        if self.quantization != "none":
+            self._check_server_quantization()
         if self.weight_sync == "disk":
             r = self.http.get("/is_paused", timeout=10.0)
             if r.status_code == 404:
                 raise UnisonError(f"vLLM server at {self.url} lacks the development endpoints the disk weight "
                                   f"sync needs: start it with VLLM_SERVER_DEV_MODE=1")
+
+    def _check_server_quantization(self) -> None:
+        """A server cannot be quantized from here: it must have been started with ``--quantization
+        fp8`` (read from its dev-mode ``/server_info``); the disk reload then re-quantizes each sync."""
+        q = self.quantization
+        if q != "fp8":
+            raise UnisonError(f"rollout.quantization {q} with a vLLM server: vLLM quantizes a full-precision "
+                              f"checkpoint online only to fp8; use fp8 (and start the server with --quantization fp8)")
+        r = self.http.get("/server_info", params={"config_format": "json"}, timeout=10.0)
+        found = _find_key(r.json(), "quantization") if r.status_code == 200 else None
+        if found != "fp8":
+            raise UnisonError(f"rollout.quantization fp8, but the vLLM server at {self.url} reports quantization "
+                              f"{found!r}: restart it with --quantization fp8 (and VLLM_SERVER_DEV_MODE=1), or set "
+                              f"rollout.quantization=none")
 
     # -------------------------------------------------------------- generate
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -334,7 +386,9 @@ class VLLMServerEngine:
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_tokens": params.max_tokens, "seed": seeds[i], "logprobs": 0, "return_token_ids": True,
                     "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
+            first = self.version
             out = self._request("POST", "/v1/completions", "a completion request", json=body)
+            last = self.version  # a sync that reached the server in flight makes the response span versions
             comps = []
             for si, c in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
                 if c.get("finish_reason") not in ("stop", "length"):
@@ -342,6 +396,7 @@ class VLLMServerEngine:
                                       f"'{c.get('finish_reason')}': is another client pausing it?")
                 comps.append(_completion(prompts[i], i, si, c["token_ids"], c["logprobs"]["token_logprobs"],
                                          c["finish_reason"], params.temperature == 0))
+                comps[-1].versions = (first, last)
             return comps
 
         with cf.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
@@ -362,24 +417,39 @@ class VLLMServerEngine:
     def sync_weights(self, learner) -> dict[str, float]:
         """Move the learner's weights to the server (every rank calls; rank 0 talks to it),
         then check the server's probe log-probs against the learner's."""
+        return self.apply_sync(self.prepare_sync(learner))
+
+    def prepare_sync(self, learner) -> dict:
+        """What a sync needs from the learner, taken now (every rank calls: collectives): the weights
+        (disk: on the host, in the rollout dtype) and the learner's log-probs of the probe sequence."""
+        prepared = {"probe": self._learner_probe(learner)}
+        if self.weight_sync == "nccl":
+            prepared["learner"] = learner
+        else:
+            weights = {}
+            for name, t in learner.export_weights(self.dtype):  # a collective: every rank iterates
+                if self.dist.is_main:
+                    weights[name] = t.contiguous().cpu()
+            prepared["weights"] = weights
+        return prepared
+
+    def apply_sync(self, prepared: dict, in_flight: bool = False) -> dict[str, float]:
+        """Put prepared weights on the server. ``in_flight``: requests being generated are kept
+        (paused, then continued with the new weights) instead of finished first."""
         self.version += 1
         if self.weight_sync == "nccl":
-            self._sync_nccl(learner)
+            self._sync_nccl(prepared["learner"])
         else:
-            self._sync_disk(learner)
-        return self._check_probe(learner)
+            self._sync_disk(prepared["weights"], "keep" if in_flight else "wait")
+        return self._check_probe(prepared["probe"])
 
-    def _sync_disk(self, learner) -> None:
+    def _sync_disk(self, weights: dict, pause_mode: str = "wait") -> None:
         from safetensors.torch import save_file
 
         if self.sync_dir is None:
             raise UnisonError("vllm.weight_sync is 'disk' but vllm.sync_dir is not set: give a directory the "
                               "server can read")
         d = self.dist
-        weights = {}
-        for name, t in learner.export_weights(self.dtype):  # a collective: every rank iterates
-            if d.is_main:
-                weights[name] = t.contiguous().cpu()
         error = None
         if d.is_main:
             final = self.sync_dir / f"v{self.version:06d}"
@@ -391,7 +461,7 @@ class VLLMServerEngine:
             os.replace(tmp, final)  # the server never sees a half-written file
             del weights
             try:
-                self._request("POST", "/pause", "pause", params={"mode": "wait"})
+                self._request("POST", "/pause", "pause", params={"mode": pause_mode})
                 try:
                     self._request("POST", "/collective_rpc", "the weight reload",
                                   json={"method": "reload_weights",
@@ -440,15 +510,24 @@ class VLLMServerEngine:
                 self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
                 self._request("POST", "/resume", "resume")
 
-    def _check_probe(self, learner) -> dict[str, float]:
-        """The server must now give the probe sequence the learner's log-probs (to the precision's
-        mismatch); when the learner's moved, the server's must have moved too."""
+    def _learner_probe(self, learner) -> list[float]:
+        """The learner's log-probs of the probe sequence at temperature 1 — the server's prompt
+        log-probs are the raw model's, whatever the sampling temperature (a collective)."""
         from unison.batch import Completion, collate
 
         ids = self._probe_ids
         batch = collate([Completion(prompt_ids=ids[:1], token_ids=ids[1:], logprobs=[0.0] * (len(ids) - 1),
                                     finish_reason="length")], self.pad_id)
-        mine = learner.score(batch)[0, 1:len(ids)].tolist()  # a collective: every rank scores
+        temperature, learner.temperature = learner.temperature, 1.0
+        try:
+            return learner.score(batch)[0, 1:len(ids)].tolist()
+        finally:
+            learner.temperature = temperature
+
+    def _check_probe(self, mine: list[float]) -> dict[str, float]:
+        """The server must now give the probe sequence the learner's log-probs (to the precision's
+        mismatch); when the learner's moved, the server's must have moved too."""
+        ids = self._probe_ids
         result: dict = {}
         error = None
         if self.dist.is_main:

@@ -51,13 +51,16 @@ class RewardFn:
         self.task = task
         self.fn = custom or task.score
         self.truncated_reward = truncated_reward
-        #: verifier calls that raised (cumulative), and the last such error, for the console
+        #: verifier calls made and calls that raised (cumulative; truncated responses scored with
+        #: ``truncated_reward`` make no call), and the last error, for the console
+        self.calls = 0
         self.errors = 0
         self.last_error: str | None = None
 
     def __call__(self, response: str, item: Item, truncated: bool) -> float:
         if truncated and self.truncated_reward is not None:
             return float(self.truncated_reward)
+        self.calls += 1
         try:
             return float(self.fn(response, item))
         except Exception as e:  # noqa: BLE001 - a reward bug must never kill the run mid-step

@@ -1,0 +1,226 @@
+"""Asynchronous off-policy RL (issue 18): the engine runs up to K versions ahead of the learner.
+
+Native engine in a worker process fed through shared memory; a vLLM server (the stub of its HTTP
+API) with requests in flight; the mismatch split into numerics and staleness; faults."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from unison import checkpoint as ckpt
+from unison.batch import collate
+from unison.config import load_config
+from unison.data_io import read_metrics
+from unison.errors import UnisonError
+from unison.rollout import SamplingParams
+from unison.rollout.worker import WeightRing
+from unison.trainer import Trainer
+
+BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=4", "train.mini_batches=2", "train.micro_batch_size=8", "train.lr=1e-3",
+        "log.console=false", "log.tensorboard=false", "task.reward=char_reward:reward", "task.truncated_reward=null"]
+REWARD = "def reward(response, item):\n    return len(response) / 10\n"
+
+
+@pytest.fixture()
+def rewards(tmp_path, monkeypatch):
+    (tmp_path / "char_reward.py").write_text(REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return tmp_path
+
+
+def _run(tmp_path, name, *sets, steps=4, resume=False):
+    cfg = load_config(None, BASE + [f"train.steps={steps}", *sets])
+    Trainer(cfg, tmp_path / name, resume=resume, log=lambda m: None).fit()
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))} for r in rows]
+
+
+# ------------------------------------------------------------------ the native worker
+def test_k1_trains_every_batch_one_version_late_and_is_deterministic(tmp_path, rewards):
+    a = _run(tmp_path, "a", "rollout.max_staleness=1")
+    b = _run(tmp_path, "b", "rollout.max_staleness=1")
+    assert [r["staleness/max"] for r in a] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["staleness/mean"] for r in a] == [0.0, 1.0, 1.0, 1.0]
+    assert _comparable(a) == _comparable(b)  # stale_policy wait: batch j uses exactly version j − K
+    sync = _run(tmp_path, "sync")
+    assert _comparable(a)[0] == {**_comparable(sync)[0], **{k: v for k, v in _comparable(a)[0].items()
+                                                             if k.startswith("staleness/")}}
+    assert a[1]["mismatch/k3"] > 100 * sync[1]["mismatch/k3"]  # a version late is a mismatch of its own
+
+
+def test_k2_staleness_is_bounded_by_k(tmp_path, rewards):
+    rows = _run(tmp_path, "k2", "rollout.max_staleness=2", steps=5)
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert all(r["staleness/dropped"] == 0 for r in rows)
+
+
+def test_the_mismatch_splits_into_numerics_and_staleness(tmp_path, rewards):
+    rows = _run(tmp_path, "split", "rollout.max_staleness=1", steps=3)
+    for r in rows[1:]:  # fp32: the numerics are rounding, the staleness is the whole mismatch
+        assert r["mismatch/numeric_k3"] < 1e-9 < r["mismatch/staleness_k3"]
+        assert r["mismatch/staleness_k3"] == pytest.approx(r["mismatch/k3"], rel=1e-4)
+        # log π_old − log μ = (log π_old − log π_v) + (log π_v − log μ): k1 adds up exactly
+        assert r["mismatch/numeric_k1"] + r["mismatch/staleness_k1"] == pytest.approx(r["mismatch/k1"], abs=1e-6)
+    assert rows[0]["mismatch/staleness_k3"] == 0.0  # on-policy: nothing stale
+    bf = _run(tmp_path, "bf16", "rollout.max_staleness=1", "precision=bf16", steps=2)
+    assert bf[1]["mismatch/numeric_k3"] > 1e-7  # bf16 numerics show up as such
+
+
+def test_weights_reach_the_worker_through_shared_memory():
+    shapes = [("a", (2, 3)), ("b", (4,))]
+    ring = WeightRing(shapes, slots=2)
+    assert all(buf.is_shared() for buf in ring.bufs)
+    ring.write(0, [("b", torch.arange(4.0)), ("a", torch.ones(2, 3))])
+    ring.write(1, [("a", torch.zeros(2, 3)), ("b", torch.ones(4))])
+    assert torch.equal(ring.read(0)["b"], torch.arange(4.0)) and ring.read(1)["a"].sum() == 0
+    ring.write(2, [("a", torch.full((2, 3), 2.0)), ("b", torch.zeros(4))])  # slot 0 again
+    assert ring.read(0) is None and ring.newest() == 2 and ring.read(2)["a"][0, 0] == 2.0
+    view = ring.read(2)["a"]
+    assert view.untyped_storage().data_ptr() == ring.bufs[0].untyped_storage().data_ptr()  # a view, no copy
+
+
+def test_the_worker_samples_what_an_in_process_engine_samples(tmp_path, rewards, tiny_dir):
+    t = Trainer(load_config(None, BASE + ["train.steps=1", "rollout.max_staleness=1"]), tmp_path / "r",
+                log=lambda m: None)
+    from unison.rollout import make_engine
+
+    local = make_engine("native", tiny_dir, torch.float32)
+    ids = [t.prompt_ids[0], t.prompt_ids[1]]
+    params = SamplingParams(n=3, max_tokens=6, seed=5)
+    a = [(c.token_ids, c.logprobs) for c in t.source.generate(ids, params)]
+    b = [(c.token_ids, c.logprobs) for c in local.generate(ids, params)]
+    assert a == b
+    t.source.close()
+
+
+# ------------------------------------------------------------------ the anchors under staleness
+@pytest.mark.parametrize("anchor", ["bypass", "loglinear"])
+def test_off_policy_anchors_train(tmp_path, rewards, anchor):
+    rows = _run(tmp_path, anchor, "rollout.max_staleness=1", f"policy.anchor={anchor}", "train.mini_batches=2",
+                steps=3)
+    assert all(r["optim/steps"] == 2 and r["optim/skipped_steps"] == 0 for r in rows)
+    assert rows[-1]["staleness/max"] == 1.0
+
+
+def test_dppo_with_bypass_runs_under_staleness(tmp_path, rewards):
+    rows = _run(tmp_path, "dppo", "rollout.max_staleness=2", "algo=dppo_tv", "policy.bypass=true", steps=3)
+    assert all(0.0 <= r["policy/clip_fraction"] <= 1.0 for r in rows) and rows[-1]["staleness/max"] == 2.0
+
+
+# ------------------------------------------------------------------ resume and faults
+def test_resume_with_batches_in_flight_trains_nothing_twice(tmp_path, rewards):
+    full = _run(tmp_path, "full", "rollout.max_staleness=1", "checkpoint.every=2", steps=4)
+    _run(tmp_path, "part", "rollout.max_staleness=1", "checkpoint.every=2", steps=2)
+    rows = _run(tmp_path, "part", "rollout.max_staleness=1", "checkpoint.every=2", steps=4, resume=True)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert _comparable(rows[:2]) == _comparable(full[:2])
+    # the batch in flight at the checkpoint (step 3's, version 1) was regenerated from version 2
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_killed_worker_stops_the_run_in_one_line_and_resume_continues(tmp_path, rewards):
+    cfg = load_config(None, BASE + ["train.steps=4", "rollout.max_staleness=1", "checkpoint.every=1"])
+    t = Trainer(cfg, tmp_path / "r", log=lambda m: None)
+    t.runlog.write(t.train_step())
+    t.save_checkpoint()
+    os.kill(t.source.backend.worker.proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(UnisonError, match=r"the rollout worker \(pid \d+\) died .*SIGKILL.*continue with --resume"):
+        for _ in range(3):
+            t.train_step()
+    assert time.monotonic() - start < 60
+    t.source.close()
+    assert [p.name for p in ckpt.complete(tmp_path / "r" / "checkpoints")] == ["step_000001"]
+    rows = _run(tmp_path, "r", "rollout.max_staleness=1", "checkpoint.every=1", steps=4, resume=True)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+SIGTERM_RUN = textwrap.dedent("""
+    import sys
+    from unison.cli import main
+    sys.exit(main(["train", sys.argv[1], "--out", sys.argv[2]] + sys.argv[3:]))
+""")
+
+
+def test_sigterm_with_batches_in_flight_saves_and_exits_143(tmp_path, rewards):
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text("{}\n")
+    script = tmp_path / "run.py"
+    script.write_text(SIGTERM_RUN)
+    sets = [f"--set={s}" for s in BASE + ["train.steps=200", "rollout.max_staleness=1", "log.console=true"]]
+    proc = subprocess.Popen([sys.executable, str(script), str(cfgfile), str(tmp_path / "run"), *sets],
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("[train] step 3/200"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, rest
+    stops = [x for x in rest.splitlines() if x.startswith("unison: stopped")]
+    assert len(stops) == 1 and "checkpoint saved" in stops[0] and "--resume" in stops[0], rest
+    assert "Traceback" not in rest
+    done = ckpt.complete(tmp_path / "run" / "checkpoints")
+    assert done and ckpt.verify(done[-1]) is None
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1)) and done[-1].name == f"step_{steps[-1]:06d}"
+
+
+# ------------------------------------------------------------------ bad input: one line, nothing written
+@pytest.mark.parametrize("sets,match", [
+    (["rollout.max_staleness=-1"], "rollout.max_staleness"),
+    (["rollout.max_staleness=1", "engine=vllm"], "colocated vLLM shares its device"),
+    (["rollout.max_staleness=1", "exact=true"], "exact mode needs the engine and the learner to hold equal weights"),
+    (["rollout.max_staleness=1", "rollout.stale_policy=never"], "rollout.stale_policy"),
+])
+def test_async_bad_input_is_refused_before_writing(tmp_path, sets, match):
+    with pytest.raises(UnisonError, match=match):
+        Trainer(load_config(None, BASE + ["train.steps=1", *sets]), tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ a vLLM server (the HTTP stub)
+def _server_cfg(url, *extra):
+    return load_config(None, BASE + ["engine=vllm", "vllm.mode=server", f"vllm.url={url}", "train.steps=3",
+                                     "rollout.max_staleness=1", *extra])
+
+
+def _stub(model_dir, **kw):
+    from unison.models import load_tokenizer
+    from unison.rollout.vllm_engine import PROBE_TEXT
+    from vllm_stub import StubServer
+
+    tok = load_tokenizer(model_dir)
+    return StubServer(str(model_dir), list(tok(PROBE_TEXT)["input_ids"]), len(tok), **kw)
+
+
+def test_server_requests_run_ahead_and_syncs_wait_between_batches(tmp_path, rewards, tiny_dir):
+    with _stub(tiny_dir) as stub:
+        Trainer(_server_cfg(stub.url), tmp_path / "r", log=lambda m: None).fit()
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert stub.reloads == 3 and set(stub.pause_modes) == {"wait"}
+
+
+def test_server_drop_policy_syncs_in_flight_and_drops_what_is_too_stale(tmp_path, rewards, tiny_dir):
+    # a reload slower than a step: the engine samples with weights older than the bound allows
+    with _stub(tiny_dir, reload_delay=1.5) as stub:
+        t = Trainer(_server_cfg(stub.url, "rollout.stale_policy=drop", "train.steps=4"), tmp_path / "r",
+                    log=lambda m: None)
+        t.fit()
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert "keep" in stub.pause_modes  # weights reached the server with requests in flight
+    assert sum(r["staleness/dropped"] for r in rows) > 0
+    assert all(r["staleness/max"] is None or r["staleness/max"] <= 1.0 for r in rows if "staleness/max" in r)

@@ -1,0 +1,183 @@
+"""Low-precision rollout (issue 19): weight-only quantization of the rollout engine, checked against
+hand-computed values, and its wiring into the engine, the probe, the trainer and the sanity test."""
+
+import pytest
+import torch
+
+from unison.config import load_config
+from unison.errors import UnisonError
+from unison.learner import Learner
+from unison.mismatch import seq_rho_over_fraction, token_rho_outside_fraction
+from unison.quant import fake_quantize, quantization_warning, quantize, targets
+from unison.rollout import SamplingParams, make_engine
+
+
+# ------------------------------------------------------------------ formats, by hand
+def test_int8_per_output_channel_by_hand():
+    w = torch.tensor([[1.27, -0.63, 0.10, 0.0], [0.0, 2.54, -1.0, 0.5]])
+    q = quantize(w, "int8")
+    # row 0: s = 1.27/127 = 0.01 -> codes 127, -63, 10, 0; row 1: s = 2.54/127 = 0.02 -> 0, 127, -50, 25
+    assert q.codes.dtype == torch.int8
+    assert q.codes.tolist() == [[127, -63, 10, 0], [0, 127, -50, 25]]
+    assert torch.allclose(q.scale.flatten(), torch.tensor([0.01, 0.02]))
+    assert torch.allclose(q.dequantize(), torch.tensor([[1.27, -0.63, 0.10, 0.0], [0.0, 2.54, -1.0, 0.5]]), atol=1e-6)
+
+
+def test_fp8_e4m3_per_output_channel_by_hand():
+    w = torch.tensor([[448.0, -3.3, 0.3, 17.5], [2.0, 0.5, -1.0, 0.01]])
+    q = quantize(w, "fp8")
+    assert q.codes.dtype == torch.float8_e4m3fn
+    # row 0: s = 1. e4m3 has 3 mantissa bits: 3.3 -> 3.25 (step 0.25 in [2, 4)), 0.3 -> 0.3125 (step 1/32),
+    # 17.5 -> 18 (step 2 in [16, 32))
+    assert q.codes.float()[0].tolist() == [448.0, -3.25, 0.3125, 18.0]
+    # row 1: s = 2/448; codes 448, 112, -224 exactly and 0.01·224 = 2.24 -> 2.25
+    assert q.codes.float()[1].tolist() == [448.0, 112.0, -224.0, 2.25]
+    deq = q.dequantize()
+    assert torch.allclose(deq[0], torch.tensor([448.0, -3.25, 0.3125, 18.0]))
+    assert torch.allclose(deq[1], torch.tensor([2.0, 0.5, -1.0, 2.25 / 224]), atol=1e-7)
+
+
+def test_int4_groups_by_hand():
+    w = torch.tensor([[0.7, -0.36, 1.4, 0.2], [-0.07, 0.0, 0.0, 0.0]])
+    q = quantize(w, "int4", group_size=2)
+    # groups of 2 input columns: row 0 s = 0.1 (codes 7, -4) and 0.2 (7, 1); row 1 s = 0.01 (-7, 0), zeros -> s = 1
+    assert q.codes.tolist() == [[[7, -4], [7, 1]], [[-7, 0], [0, 0]]]
+    assert torch.allclose(q.scale.flatten(), torch.tensor([0.1, 0.2, 0.01, 1.0]))
+    assert torch.allclose(q.dequantize(), torch.tensor([[0.7, -0.4, 1.4, 0.2], [-0.07, 0.0, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_input_dimension_first_layout_and_dtype():
+    """GPT-2's Conv1D stores [in, out]: the scale is per output column."""
+    w = torch.tensor([[1.27, 0.0], [-0.63, 2.54]])  # columns are output channels
+    assert torch.allclose(fake_quantize(w, "int8", torch.float32, in_dim=0),
+                          fake_quantize(w.t(), "int8", torch.float32).t())
+    assert fake_quantize(w, "int8", torch.bfloat16, in_dim=0).dtype == torch.bfloat16
+
+
+def test_clip_fraction_metrics_by_hand():
+    lp_mu = torch.zeros(2, 4)
+    # log ρ per token: row 0 [0.8, -0.8, 0.1, pad]; row 1 [2.0, 1.0, 0, 0] (ρ(y) = e^3 > 10)
+    lp_pi = torch.tensor([[0.8, -0.8, 0.1, 9.0], [2.0, 1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    # outside [0.5, 2] (|log ρ| > log 2 = 0.693): 0.8, -0.8, 2.0, 1.0 -> 4 of 7 tokens
+    assert float(token_rho_outside_fraction(lp_pi, lp_mu, mask)) == pytest.approx(4 / 7)
+    # sequence log-ratios 0.1 and 3.0: only the second exceeds log 10 = 2.303
+    assert float(seq_rho_over_fraction(lp_pi, lp_mu, mask)) == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ what is quantized
+def test_targets_leave_embeddings_head_norms_and_routers_alone(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from unison.zoo import build
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    names = {t.name for t in targets(model)}
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.3.mlp.down_proj.weight" in names
+    assert len(names) == 4 * 7  # q k v o gate up down in each of 4 layers
+    assert not any(k in n for n in names for k in ("embed", "lm_head", "norm", "bias"))
+    moe = AutoModelForCausalLM.from_pretrained(build("qwen3_moe", tmp_path / "moe"))
+    mnames = {t.name for t in targets(moe)}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in mnames  # experts as 3-D tensors
+    assert not any(".mlp.gate." in n for n in mnames)  # the router stays in the compute dtype
+    gpt2 = AutoModelForCausalLM.from_pretrained(build("gpt2", tmp_path / "gpt2"))
+    assert {t.in_dim for t in targets(gpt2)} == {0}  # Conv1D: [in, out]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_engine_holds_quantize_of_the_learner_after_every_sync(tiny_dir, fmt):
+    engine = make_engine("native", tiny_dir, torch.bfloat16, quantization=fmt)
+    learner = Learner(tiny_dir)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    engine.sync_weights(learner)
+    quant = {t.name: t.in_dim for t in targets(learner.model)}
+    eng = dict(engine.model.named_parameters())
+    for name, w in learner.model.named_parameters():
+        want = fake_quantize(w, fmt, torch.bfloat16, quant[name]) if name in quant else w.detach().to(torch.bfloat16)
+        assert torch.equal(eng[name], want), name
+    assert not torch.equal(eng["model.layers.0.mlp.up_proj.weight"],
+                           learner.model.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16))
+
+
+def test_quantization_none_holds_the_learner_weights_bit_for_bit(tiny_dir):
+    engine = make_engine("native", tiny_dir, torch.float32, quantization="none")
+    learner = Learner(tiny_dir)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    engine.sync_weights(learner)
+    eng = dict(engine.model.named_parameters())
+    assert all(torch.equal(eng[n], w) for n, w in learner.model.named_parameters())
+    # and the probe's fp32 row is rounding-level, as before quantization existed
+    ids = [engine.tokenizer("12+35=")["input_ids"]]
+    comps = engine.generate(ids, SamplingParams(n=4, max_tokens=16, seed=1))
+    from unison.batch import collate
+    from unison.mismatch import k3
+
+    b = collate(comps, engine.pad_id)
+    assert float(k3(learner.score(b), b.logp_mu, b.response_mask)) < 1e-10
+
+
+def test_probe_rows_per_quantization_are_ordered(tiny_dir, tmp_path):
+    from unison.probe import ProbeConfig, run_probe
+
+    out = run_probe(ProbeConfig(precisions=["fp32"], quantizations=["none", "int8", "int4"], n=4,
+                                max_new_tokens=32), log=lambda m: None)
+    rows = {r["quantization"]: r for r in out["results"]}
+    assert set(rows) == {"none", "int8", "int4"}
+    assert rows["none"]["mismatch/k3"] < 1e-9 < rows["int8"]["mismatch/k3"] < rows["int4"]["mismatch/k3"]
+    assert rows["int4"]["mismatch/token_rho_outside_fraction"] > rows["none"]["mismatch/token_rho_outside_fraction"] == 0
+
+
+# ------------------------------------------------------------------ bad input: one line, nothing written
+def _train(tmp_path, *sets):
+    from unison.trainer import Trainer
+
+    cfg = load_config(None, ["train.steps=1", "log.console=false", "log.tensorboard=false", *sets])
+    return Trainer(cfg, tmp_path / "run", log=lambda m: None)
+
+
+def test_unknown_format_is_refused(tmp_path):
+    with pytest.raises(UnisonError, match="rollout.quantization"):
+        load_config(None, ["rollout.quantization=fp4"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_int4_group_that_does_not_divide_is_refused_before_writing(tmp_path):
+    with pytest.raises(UnisonError, match="quant_group_size to a divisor of 128"):
+        _train(tmp_path, "rollout.quantization=int4", "rollout.quant_group_size=48")
+    assert not (tmp_path / "run").exists()
+
+
+def test_quantization_with_exact_mode_is_refused(tmp_path):
+    with pytest.raises(UnisonError, match="exact mode needs the engine to hold the learner's weights"):
+        _train(tmp_path, "rollout.quantization=int8", "exact=true")
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_without_float8_dtypes_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(UnisonError, match="float8 dtypes"):
+        _train(tmp_path, "rollout.quantization=fp8")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_engine_that_cannot_quantize_is_refused(tmp_path):
+    from unison.probe import ProbeConfig, validate
+
+    with pytest.raises(UnisonError, match="native engine"):
+        validate(ProbeConfig(engines=["vllm"], quantizations=["int8"]))
+
+
+def test_uncorrected_quantized_rollout_warns_once_and_corrections_silence_it():
+    from unison.algorithms.presets import resolve_policy
+    from unison.config import PolicyConfig
+
+    grpo = resolve_policy("grpo", PolicyConfig())
+    msg = quantization_warning("int4", grpo)
+    assert msg and "policy.correction=none" in msg and "grpo_token_tis" in msg
+    assert quantization_warning("none", grpo) is None
+    assert quantization_warning("int4", resolve_policy("grpo_token_tis", PolicyConfig())) is None
+    assert quantization_warning("int4", resolve_policy("pg_seq_mis", PolicyConfig())) is None

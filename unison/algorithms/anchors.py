@@ -1,0 +1,72 @@
+"""Which log π is π_old: the one place that decides it (``policy.anchor``).
+
+π_old is the policy the PPO ratio r_t = π_θ/π_old is clipped around and the policy the
+mismatch corrections compare μ with (ρ_t = π_old/μ). With off-policy data (the rollout
+engine runs ahead by up to ``rollout.max_staleness`` versions, docs/async.md) the choice
+matters, and every option is a published one:
+
+* ``recompute`` (default): the learner's score pass under the weights of this step, θ_old —
+  AReaL's *decoupled PPO* (Hilton et al. 2021; AReaL ``use_decoupled_loss``) when a correction
+  is on: clip around the recomputed proximal policy, weight by π_prox/μ. With one mini-batch
+  per rollout the score pass is **fused** into the training forward (θ = θ_old there, so the
+  detached forward *is* log π_old; one forward fewer).
+* ``bypass``: log μ itself (no score pass; ρ ≡ 1, the PPO ratio is π_θ/μ) — verl
+  ``bypass_mode``, prime-rl and SkyRL (rollout-anchored).
+* ``loglinear``: AReaL's ``prox_logp_method: loglinear``
+  (``areal/trainer/ppo/actor.py``, ``compute_prox_logp_approximations``): no score pass;
+  log π_prox ≈ log μ + α · (sg[log π_θ] − log μ),
+  α = clamp((v_prox − v_behave) / (v_θ − v_behave), 0, 1), α = 0 when v_θ ≤ v_behave.
+  Versions count weight updates: v_behave is the sample's behaviour version, v_prox = t the
+  weights this step started from, and v_θ = t + i/m for mini-batch i of m (the current
+  weights have taken i of this step's m optimizer steps). So the first mini-batch (i = 0,
+  θ = θ_old) gets log π_prox = log π_θ exactly for stale samples, and later mini-batches
+  interpolate. (AReaL writes v_prox = current − 1 with its version counter one ahead of ours.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+ANCHORS = ("recompute", "bypass", "loglinear")
+
+
+def loglinear_alpha(v_behave: torch.Tensor, v_prox: float, v_theta: float) -> torch.Tensor:
+    """α per response: (v_prox − v_behave)/(v_θ − v_behave) clamped to [0, 1]; 0 where v_θ ≤ v_behave."""
+    vb = v_behave.double()
+    den = v_theta - vb
+    alpha = torch.where(den > 0, (v_prox - vb) / den.clamp(min=1e-12), torch.zeros_like(vb))
+    return alpha.clamp(0.0, 1.0).float()
+
+
+def loglinear_logp(logp_theta: torch.Tensor, logp_mu: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """log π_prox = log μ + α · (sg[log π_θ] − log μ), α [B] per response, tensors [B, L]."""
+    a = alpha.to(logp_mu.dtype)[:, None]
+    return logp_mu + a * (logp_theta.detach() - logp_mu)
+
+
+def plan(anchor: str, mini_batches: int, fuse_score_pass: bool) -> str:
+    """What the step does for π_old: ``score`` (a separate score pass), ``fused`` (the training
+    forward's own detached log-probs), ``bypass`` (log μ) or ``loglinear``."""
+    if anchor == "bypass":
+        return "bypass"
+    if anchor == "loglinear":
+        return "loglinear"
+    return "fused" if (fuse_score_pass and mini_batches == 1) else "score"
+
+
+class OldLogp:
+    """log π_old for a micro-batch, as the plan says: the stored tensor (``score``, ``bypass``) or
+    one computed from the training forward's detached log-probs (``fused``, ``loglinear``)."""
+
+    def __init__(self, kind: str, stored: torch.Tensor | None = None, v_behave: torch.Tensor | None = None,
+                 step: int = 0, mini_batches: int = 1):
+        self.kind, self.stored = kind, stored
+        self.v_behave, self.step, self.m = v_behave, step, mini_batches
+
+    def __call__(self, rows: torch.Tensor, logp: torch.Tensor, logp_mu: torch.Tensor, mb_index: int) -> torch.Tensor:
+        if self.kind in ("score", "bypass"):
+            return self.stored[rows].to(logp.device)
+        if self.kind == "fused":
+            return logp.detach()
+        alpha = loglinear_alpha(self.v_behave[rows], float(self.step), self.step + mb_index / self.m)
+        return loglinear_logp(logp, logp_mu, alpha.to(logp.device))

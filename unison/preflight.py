@@ -1,0 +1,193 @@
+"""Everything ``unison train`` checks before the run directory is touched.
+
+Each function raises :class:`~unison.errors.UnisonError` with one line naming the culprit and
+the fix; none writes anything. The trainer calls them in order at start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unison.config import Config, dump_config
+from unison.distributed import under_torchrun
+from unison.errors import UnisonError
+
+
+def check_settings(cfg: Config) -> None:
+    """Combinations of keys that cannot run, whatever the data."""
+    d = cfg.distributed
+    set_keys = [k for k, v in d.model_dump().items() if v is not None]
+    if set_keys and not under_torchrun():
+        raise UnisonError(f"distributed.{set_keys[0]} is set but unison is not running under torchrun: "
+                          f"launch with `torchrun --nproc-per-node N -m unison train ...`, or remove "
+                          f"the distributed section")
+    check_device(cfg.device)
+    if cfg.exact:
+        _check_exact_settings(cfg)
+    _check_async_settings(cfg)
+
+
+def check_device(device: str, flag: str = "device") -> None:
+    """A device this torch can use: ``cpu``, or ``cuda``/``cuda:N`` on a CUDA build with that GPU."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise UnisonError(f"{flag} '{device}' is not a torch device: use cpu or cuda (cuda:N)") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+            raise UnisonError(f"{flag} is '{device}' but CUDA is not available ({why}): set {flag}=cpu, or "
+                              f"install the CUDA build of torch for your GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UnisonError(f"{flag} is '{device}' but this machine has {torch.cuda.device_count()} GPU(s): "
+                              f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise UnisonError(f"{flag} '{device}' is not supported: use cpu or cuda")
+
+
+def _check_exact_settings(cfg: Config) -> None:
+    if cfg.engine != "native":
+        raise UnisonError(f"exact mode needs the native engine (engine is '{cfg.engine}'): set engine=native "
+                          f"or exact=false")
+    if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k:
+        raise UnisonError("exact mode samples from the full distribution the learner scores: set "
+                          "rollout.top_p=1 and rollout.top_k=0")
+    if under_torchrun():
+        raise UnisonError("exact mode runs in one process: launch without torchrun, or set exact=false")
+    if cfg.lora.rank:
+        raise UnisonError("exact mode does not take LoRA adapters yet: set lora.rank=0 or exact=false")
+    if cfg.rollout.quantization != "none":
+        raise UnisonError(f"exact mode needs the engine to hold the learner's weights, and "
+                          f"rollout.quantization is '{cfg.rollout.quantization}': set rollout.quantization=none "
+                          f"or exact=false")
+    if cfg.rollout.max_staleness:
+        raise UnisonError(f"exact mode needs the engine and the learner to hold equal weights, and "
+                          f"rollout.max_staleness={cfg.rollout.max_staleness} samples with older ones: set "
+                          f"rollout.max_staleness=0 or exact=false")
+    if "cuda" in str(cfg.device):
+        raise UnisonError("exact mode is built for CPUs: cuBLAS picks kernels by shape, and no batch-invariant "
+                          "GPU route has run yet (docs/exact.md); set device=cpu or exact=false")
+
+
+def _check_async_settings(cfg: Config) -> None:
+    K = cfg.rollout.max_staleness
+    if not K:
+        return
+    if cfg.engine == "vllm" and cfg.vllm.mode != "server":
+        raise UnisonError(f"rollout.max_staleness={K} needs the rollout engine beside the learner, and a colocated "
+                          f"vLLM shares its device: use vllm.mode=server, engine=native, or max_staleness=0")
+    if cfg.engine == "vllm":
+        if under_torchrun():
+            raise UnisonError(f"rollout.max_staleness={K} with a vLLM server runs in one trainer process: launch "
+                              f"without torchrun, or set rollout.max_staleness=0")
+        if cfg.vllm.weight_sync == "nccl":
+            raise UnisonError(f"rollout.max_staleness={K} with vllm.weight_sync=nccl: the NCCL transfer reads the "
+                              f"learner while it trains; use vllm.weight_sync=disk")
+    if cfg.mismatch.decompose_every and under_torchrun():
+        raise UnisonError("mismatch.decompose_every scores with older weights in one process: set "
+                          "mismatch.decompose_every=0 under torchrun")
+
+
+def check_data(cfg: Config, task, world_size: int) -> None:
+    n = len(task.train)
+    if n == 0:
+        raise UnisonError("the task has no training prompts: raise task.train_size or check the data")
+    if cfg.train.prompts_per_step % world_size:
+        raise UnisonError(f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by the "
+                          f"world size {world_size}: every rank generates whole prompt groups; use a multiple of "
+                          f"{world_size}")
+    if n < cfg.train.prompts_per_step and cfg.task.name == "math" and not cfg.task.eval_path:
+        raise UnisonError(
+            f"task.path leaves {n} training prompt(s) after holding out {len(task.eval)} for eval, "
+            f"fewer than train.prompts_per_step={cfg.train.prompts_per_step}: lower task.eval_size "
+            f"or pass task.eval_path")
+
+
+def check_context(cfg: Config, model_dir: Path, task, prompt_ids) -> None:
+    from unison.models import model_config
+
+    limit = getattr(model_config(model_dir), "max_position_embeddings", None)
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    need = len(prompt_ids[longest]) + cfg.rollout.max_new_tokens
+    if limit is not None and need > limit:
+        where = task.train[longest].meta.get("source") or f"training prompt #{longest}"
+        raise UnisonError(
+            f"{where}: the prompt has {len(prompt_ids[longest])} tokens; with "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} that exceeds the model's "
+            f"context of {limit}: lower rollout.max_new_tokens or drop long prompts")
+
+
+def exact_layout(cfg: Config, model_dir: Path, task, tokenizer, prompt_ids) -> tuple[int, int]:
+    """The model family exact mode needs, and the fixed layout (prompt width, total length) the
+    engine's cache and the learner's batches share."""
+    from unison.exact import check_supported
+    from unison.models import model_config
+
+    check_supported(model_config(model_dir))
+    eval_ids = [task.encode(tokenizer, it) for it in task.eval] if cfg.train.eval_every else []
+    width = max(len(p) for p in prompt_ids + eval_ids)
+    return width, width + cfg.rollout.max_new_tokens
+
+
+def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+    """Read-only: refuse an occupied --out without --resume, and a resume of another config
+    (naming every key that differs). A directory a run left before its first step (no metrics,
+    no checkpoint) may be used again without --resume."""
+    import yaml
+
+    d = Path(run_dir)
+    cfg_path = d / "config.yaml"
+    new_cfg = dump_config(cfg)
+    if d.exists() and not d.is_dir():
+        raise UnisonError(f"--out '{d}' exists and is not a directory: choose another path")
+    occupied = d.exists() and any(d.iterdir()) and not never_started(d)
+    if occupied and not resume:
+        what = "a run of a different config" if cfg_path.exists() and cfg_path.read_text() != new_cfg \
+            else "a run"
+        raise UnisonError(f"--out '{d}' already holds {what}: pass --resume to continue it, "
+                          f"or choose a new --out")
+    if resume and cfg_path.exists():
+        try:
+            old = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise UnisonError(f"--resume: '{cfg_path}' is damaged ({type(e).__name__}): restore it "
+                              f"or start a new run") from e
+        new = yaml.safe_load(new_cfg)
+        try:  # a run written by an older unison lacks newer keys: they take their defaults
+            old = yaml.safe_load(dump_config(Config.model_validate(old)))
+        except Exception:  # noqa: BLE001 - an unreadable config is compared as it is
+            pass
+        old.get("train", {}).pop("steps", None)
+        new.get("train", {}).pop("steps", None)
+        diffs = differences(old, new)
+        if diffs:
+            shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diffs[:8])
+            more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
+            raise UnisonError(f"--resume: the config differs from the run's config.yaml at {shown}{more}: resume "
+                              f"with the same config (only train.steps may change; `unison train --out "
+                              f"{d} --resume` without a config reads the run's own)")
+
+
+def never_started(d: Path) -> bool:
+    """A run directory a run left before finishing its first step: nothing in it is worth keeping."""
+    from unison import checkpoint as ckpt
+    from unison.data_io import read_metrics
+
+    metrics = d / "metrics.jsonl"
+    try:
+        has_steps = metrics.exists() and bool(read_metrics(metrics))
+    except UnisonError:
+        has_steps = True  # damaged: someone should look at it
+    return (d / "config.yaml").exists() and not has_steps and not ckpt.complete(d / "checkpoints")
+
+
+def differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+    """Every leaf key where two nested dicts differ: ``(key, a's value, b's value)``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += differences(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [(prefix.rstrip("."), a, b)]

@@ -1,0 +1,170 @@
+"""Low-precision rollout: weight-only quantization of the rollout engine's decoder weights.
+
+Production RL samples with quantized weights because rollout dominates the step (verl
+``rollout.quantization=fp8``, slime, FlashRL); the learner keeps training fp32 masters. The
+gap between the quantized sampler μ and the full-precision learner π is a training–inference
+mismatch of its own, and a large one — the regime where corrections decide the outcome.
+
+``rollout.quantization`` (**contract** key) selects the format of the engine's weights; the
+compute dtype stays ``rollout_precision``. Formats (all symmetric, no zero point):
+
+* ``int8``: per output channel, scale s = max|w| / 127, codes round(w / s) ∈ [−127, 127];
+* ``fp8``: float8 e4m3 (OCP ``float8_e4m3fn``, max 448), per output channel, s = max|w| / 448,
+  codes = w / s rounded to the nearest e4m3 value;
+* ``int4``: groups of ``group_size`` (default 64) consecutive input columns of each output
+  channel, s = max|w_group| / 7, codes round(w / s) ∈ [−7, 7] (as GPTQ/AWQ-style W4A16
+  kernels with symmetric groups; −8 is never produced).
+
+Dequantization is ``codes · s`` in fp32, rounded to the compute dtype: the weights a W8A16 /
+W4A16 kernel multiplies by. Which weights: every linear weight inside the decoder layers
+(``nn.Linear``, GPT-2's ``Conv1D``, MoE experts stored as 3-D tensors); embeddings, the
+output layer (``lm_head``), norms, biases and MoE routers stay in the compute dtype — verl's
+rule. The engine re-quantizes from the learner's weights at every sync.
+
+On a CPU the dequantized weights are held in the compute dtype (no memory or speed is
+saved): the point here is the numerics; the speed of low-bit kernels is a GPU property.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unison.errors import UnisonError
+
+FORMATS = ("none", "fp8", "int8", "int4")
+#: int4: input columns per scale (``rollout.quant_group_size``)
+DEFAULT_GROUP = 64
+_QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+
+
+def parse_quantization(name: str) -> str:
+    key = str(name).strip().lower()
+    if key not in FORMATS:
+        raise UnisonError(f"unknown quantization '{name}': choose one of {', '.join(FORMATS)}")
+    return key
+
+
+def check_format_available(fmt: str) -> None:
+    """fp8 needs torch's float8 dtypes (torch ≥ 2.1)."""
+    if fmt == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        raise UnisonError(f"rollout.quantization fp8 needs a torch with float8 dtypes (this is {torch.__version__}): "
+                          f"upgrade torch (≥ 2.1), or use int8 or int4")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A quantized weight: its name and which dimension is the matmul's input (reduction) dim."""
+
+    name: str
+    in_dim: int
+
+
+def _codes(w: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
+    x = w / scale
+    if fmt == "fp8":
+        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    q = _QMAX[fmt]
+    return torch.round(x).clamp(-q, q).to(torch.int8)
+
+
+@dataclass
+class Quantized:
+    """A quantized weight: ``codes`` (int8 / float8, input dimension last; int4 split into
+    ``[..., groups, group_size]``), fp32 ``scale`` broadcasting against them, and how to put
+    the dequantized weight back into its original layout."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    in_dim: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``codes · scale`` in fp32, in the original layout, rounded to ``dtype``."""
+        w = self.codes.float() * self.scale
+        if self.fmt == "int4":
+            w = w.reshape(*w.shape[:-2], -1)
+        return w.movedim(-1, self.in_dim).to(dtype)
+
+
+def quantize(w: torch.Tensor, fmt: str, in_dim: int = -1, group_size: int = DEFAULT_GROUP) -> Quantized:
+    """Quantize ``w`` (any shape; ``in_dim`` is its input dimension) in fp32, per output channel
+    (int4: per group of ``group_size`` input columns). A channel (group) of zeros gets scale 1."""
+    if fmt not in _QMAX:
+        raise UnisonError(f"unknown quantization '{fmt}': choose one of {', '.join(FORMATS)}")
+    check_format_available(fmt)
+    x = w.detach().float().movedim(in_dim, -1)
+    n_in = x.shape[-1]
+    if fmt == "int4":
+        if n_in % group_size:
+            raise UnisonError(f"int4 groups of {group_size} do not divide an input dimension of {n_in}: set "
+                              f"rollout.quant_group_size to a divisor of {n_in}")
+        x = x.reshape(*x.shape[:-1], n_in // group_size, group_size)
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / _QMAX[fmt], torch.ones_like(amax))
+    return Quantized(_codes(x, fmt, scale), scale, fmt, in_dim)
+
+
+def fake_quantize(w: torch.Tensor, fmt: str, dtype: torch.dtype, in_dim: int = -1,
+                  group_size: int = DEFAULT_GROUP) -> torch.Tensor:
+    """``quantize(w).dequantize(dtype)``: what a quantized engine holds in place of ``w``."""
+    return quantize(w, fmt, in_dim, group_size).dequantize(dtype)
+
+
+def targets(model: torch.nn.Module) -> list[Target]:
+    """The weights a quantized rollout quantizes (see the module docstring), in module order."""
+    from unison import moe
+    from unison.distributed import decoder_layers
+
+    routers = {id(m) for m in moe.routers(model)}
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    out = []
+    for mname, mod in model.named_modules():
+        if id(mod) not in inside or id(mod) in routers:
+            continue
+        kind = type(mod).__name__
+        for pname, p in mod.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            if isinstance(mod, torch.nn.Linear) and pname == "weight":
+                out.append(Target(full, -1))
+            elif kind == "Conv1D" and pname == "weight":  # GPT-2: weight [in, out]
+                out.append(Target(full, 0))
+            elif kind.endswith("Experts") and p.dim() == 3:  # [experts, out, in], used as F.linear(x, W[e])
+                out.append(Target(full, -1))
+    return out
+
+
+def check_targets(model: torch.nn.Module, fmt: str, group_size: int) -> list[Target]:
+    """The model's targets, refusing in one line a format the model or this torch cannot take."""
+    check_format_available(fmt)
+    found = targets(model)
+    if not found:
+        raise UnisonError(f"rollout.quantization {fmt}: found no linear weights inside the decoder layers of "
+                          f"{type(model).__name__}: set rollout.quantization=none for this model")
+    if fmt == "int4":
+        params = dict(model.named_parameters())
+        for t in found:
+            n_in = params[t.name].shape[t.in_dim]
+            if n_in % group_size:
+                raise UnisonError(f"rollout.quantization int4: groups of {group_size} do not divide the {n_in} input "
+                                  f"columns of '{t.name}': set rollout.quant_group_size to a divisor of {n_in}")
+    return found
+
+
+#: token k3 of each format against the learner, measured with `unison probe --quantization ...` on the
+#: built-in tiny model and SmolLM2-135M (README, "Low-precision rollout"): what the warning cites
+MEASURED_K3 = {"fp8": "FP8K3", "int8": "INT8K3", "int4": "INT4K3"}
+
+
+def quantization_warning(fmt: str, policy: dict) -> str | None:
+    """One start-up line when a quantized rollout runs without any correction (the algorithm is
+    never changed silently); None when a correction or a self-correcting loss is in place."""
+    from unison.algorithms.losses import SELF_CORRECTING
+
+    if fmt == "none" or policy.get("correction") != "none" or policy.get("loss") in SELF_CORRECTING:
+        return None
+    return (f"rollout.quantization={fmt} with policy.correction=none: {fmt} rollout weights put the "
+            f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe), where uncorrected "
+            f"GRPO is reported to degrade (verl, FlashRL); consider algo=grpo_token_tis, grpo_seq_mis or "
+            f"pg_seq_mis, or policy.correction=token_tis")
