@@ -128,3 +128,147 @@ def test_collate_in_the_exact_layout_by_hand():
     assert b.extras["routing"][0, :, 0, 0].tolist() == [-1, 4, 5, -1, -1]  # aligned with the tokens
     with pytest.raises(ValueError, match="does not fit the layout"):
         collate([c], pad_id=0, layout=(1, 5))  # a prompt wider than the layout's prompt width
+
+
+# ------------------------------------------------------------------ by construction (issue 21)
+def _engine_and_learner(tiny_dir, dtype=torch.float32, ops=None):
+    from unison.exact import ExactOps
+
+    engine = make_engine("native", tiny_dir, dtype, exact=True, prompt_width=WIDTH)
+    learner = Learner(tiny_dir, compute_dtype=dtype, exact=True)
+    if ops is not None:
+        engine.exact.ops = learner.exact.ops = ops
+    return engine, learner
+
+
+def _agree(engine, learner, n=3, max_tokens=8, seed=3, micro=5):
+    tok = engine.tokenizer
+    ids = [tok(p)["input_ids"] for p in ("12+", "7+8=", "abc", "1")]
+    comps = engine.generate(ids, SamplingParams(n=n, max_tokens=max_tokens, seed=seed))
+    batch = collate(comps, engine.pad_id, layout=(WIDTH, WIDTH + max_tokens))
+    learner.micro_batch_size = micro
+    old = learner.score(batch)
+    mask = batch.response_mask.bool()
+    return torch.equal(old[mask], batch.logp_mu[mask])
+
+
+def _fake_linear(real, rule):
+    """A deterministic BLAS that rounds differently by shape: ``rule(x)`` says when to sum the input
+    dimension in two halves (another order, other bits) instead of at once."""
+    def linear(x, w, b=None):
+        if x.dim() == 2 and rule(x):
+            h = x.shape[-1] // 2
+            y = real(x[:, :h], w[:, :h]) + real(x[:, h:], w[:, h:])
+            return y if b is None else y + b
+        return real(x, w, b)
+    return linear
+
+
+def test_a_blas_that_changes_with_the_row_count_keeps_exact_mode_exact(tiny_dir, monkeypatch):
+    """Calls of more than 64 rows take another kernel (as MKL/oneDNN do by shape): the learner's forward
+    over the whole batch would differ from the engine's decode step — blocks of fixed size do not."""
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", _fake_linear(real, lambda x: x.shape[0] > 64))
+    engine, learner = _engine_and_learner(tiny_dir)
+    assert _agree(engine, learner)
+    # the old rule (pad every matmul to >= 12 rows, one call for all rows) breaks on it
+    x, w = torch.randn(200, 128), torch.randn(384, 128)
+    assert not torch.equal(torch.nn.functional.linear(x, w)[:1], torch.nn.functional.linear(x[:12], w)[:1])
+
+
+def test_the_self_check_picks_a_block_this_blas_is_invariant_for(tiny_dir, monkeypatch):
+    """Rows at positions >= 12 of a call take an edge kernel: blocks of 16 or 32 rows would give a row
+    other bits by where it sits, blocks of 8 do not — the start-up check finds that."""
+    from unison.exact import self_check
+
+    real = torch.nn.functional.linear
+
+    def edge(x, w, b=None):
+        y = real(x, w, b)
+        if x.dim() == 2 and x.shape[0] > 12:
+            y = torch.cat([y[:12], _fake_linear(real, lambda _: True)(x[12:], w, b)])
+        return y
+
+    monkeypatch.setattr(torch.nn.functional, "linear", edge)
+    engine, learner = _engine_and_learner(tiny_dir)
+    ops = self_check(learner.exact, [torch.float32], WIDTH + 8)
+    assert ops.block == 8
+    engine.exact.ops = ops
+    assert _agree(engine, learner)
+
+
+def test_a_blas_no_block_helps_is_refused_in_one_line(tiny_dir, monkeypatch):
+    from unison.exact import self_check
+
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: real(x, w, b) + (torch.arange(x.shape[0]) % 2)[:, None] * 1e-3
+                        if x.dim() == 2 else real(x, w, b))
+    _, learner = _engine_and_learner(tiny_dir)
+    with pytest.raises(UnisonError, match=r"exact mode cannot hold on this CPU: matmul, float32, \[16, 128\] x "
+                                          r"\[128, \d+\] gives a row different bits"):
+        self_check(learner.exact, [torch.float32], WIDTH + 8)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_a_row_has_the_same_bits_in_calls_of_1_to_130_rows(dtype):
+    from unison.exact import ExactOps
+
+    ops, dt = ExactOps(), DTYPES[dtype]
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(130, 128, generator=g).to(dt), (torch.randn(384, 128, generator=g) / 11).to(dt)
+    alone = torch.cat([ops.linear(x[i:i + 1], w) for i in range(130)])
+    for m in range(1, 131):
+        assert torch.equal(ops.linear(x[:m], w), alone[:m]), m
+    perm = torch.randperm(130, generator=g)
+    assert torch.equal(ops.linear(x[perm], w), alone[perm])  # shuffled batch positions
+    head = (torch.randn(100, 128, generator=g) / 11).to(dt)
+    t = torch.randint(0, 100, (130,), generator=g)
+    lp = ops.logp(x, head, t, 1.0)
+    assert torch.equal(ops.token_logp(ops.logits(x[5:6], head), t[5:6], 1.0), lp[5:6])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_prompts_one_token_apart_and_micro_batches_1_to_9_agree(tiny_dir, dtype):
+    engine, learner = _engine_and_learner(tiny_dir, DTYPES[dtype])
+    tok = engine.tokenizer
+    ids = [tok("1" * k)["input_ids"] for k in range(1, 6)]  # lengths differ by one
+    comps = engine.generate(ids, SamplingParams(n=2, max_tokens=7, seed=11))
+    batch = collate(comps, engine.pad_id, layout=(WIDTH, WIDTH + 7))
+    mask = batch.response_mask.bool()
+    for micro in range(1, 10):
+        learner.micro_batch_size = micro
+        assert torch.equal(learner.score(batch)[mask], batch.logp_mu[mask]), micro
+
+
+def test_a_divergence_at_step_1_names_the_layer_op_and_position(tmp_path, rewards):
+    """What the self-check cannot catch: here the engine's one-query attention (its decode steps) rounds
+    differently in layer 2 only; the error names that layer, op and the first decode position."""
+    t = Trainer(load_config(None, BASE + ["train.steps=1"]), tmp_path / "r", log=lambda m: None)
+    fwd, attend = t.engine.exact, t.engine.exact.ops.attend
+    calls = {"n": 0}
+
+    def skewed(q, k, v, allowed, scaling):
+        out = attend(q, k, v, allowed, scaling)
+        calls["n"] += 1
+        layer = (calls["n"] - 1) % fwd.n_layers
+        return out * (1 + 2**-10) if q.shape[2] == 1 and layer == 2 else out
+
+    t.engine.exact.ops = type(fwd.ops)(fwd.ops.block, fwd.ops.attn_block)
+    t.engine.exact.ops.attend = skewed
+    with pytest.raises(UnisonError, match=r"exact mode broke at step 1: .*row \d+, position \d+.*; replayed alone, "
+                                          r"layer 2 attention first differs at position \d+"):
+        t.train_step()
+
+
+def test_an_exact_probe_row_that_is_not_identical_is_a_failure(tmp_path, monkeypatch, capsys):
+    from unison.cli import main
+    from unison.rollout import native
+
+    step = native._ExactBackend.step  # the engine's decode steps drift; the start-up self-check cannot see it
+    monkeypatch.setattr(native._ExactBackend, "step", lambda self, tok, pos, t: step(self, tok, pos, t) * (1 + 2**-10))
+    code = main(["probe", "--precision", "fp32", "--exact", "--n", "2", "--max-new-tokens", "8",
+                 "--out", str(tmp_path / "p")])
+    out = capsys.readouterr()
+    assert code == 1 and "FAILED" in out.out
+    assert "unison: error: exact mode failed for fp32: only" in out.err

@@ -67,7 +67,8 @@ def test_no_usable_checkpoint_is_refused_without_touching_the_run(tmp_path, rewa
     for c in ckpt.complete(run / "checkpoints"):
         (c / "optimizer" / ".metadata").write_bytes(b"garbage")
     before = _tree(run)
-    cfgfile = tmp_path / "c.yaml"
+    cfgfile = tmp_path / "cfg" / "c.yaml"  # not beside the reward module (that would record its path)
+    cfgfile.parent.mkdir()
     cfgfile.write_text("seed: 0\n")
     argv = ["train", str(cfgfile), "--out", str(run), "--resume"] + [f"--set={s}" for s in
                                                                    BASE + ["train.steps=3", "checkpoint.every=1"]]

@@ -72,15 +72,19 @@ def test_report_summary_by_hand(tmp_path):
     rewards = [0.5, 0.6, 0.9, 1.0, 1.0, 1.0, 0.9, 1.0]
     _write_run(tmp_path / "a", rewards, [1e-6] * 4 + [3e-6] * 4, skipped=1)
     s = summarize(tmp_path / "a")
-    assert s["arm"] == "fp16/grpo" and s["steps"] == 8
+    assert s["arm"] == "a" and s["steps"] == 8  # runs are named by their directory
     assert s["initial_accuracy"] == pytest.approx(sum(rewards[:5]) / 5)
     assert s["final_accuracy"] == pytest.approx(sum(rewards[-5:]) / 5)
+    # a run of 4 steps: the first and the last 2 (never the same steps)
+    _write_run(tmp_path / "short", [0.1, 0.2, 0.8, 0.9], [1e-6] * 4)
+    short = summarize(tmp_path / "short")
+    assert (short["initial_accuracy"], short["final_accuracy"]) == (pytest.approx(0.15), pytest.approx(0.85))
     # 5-step moving averages: step 5 = 0.8, 6 = 0.9, 7 = 0.96 -> first >= 0.95 at step 7
     assert s["steps_to_95"] == 7
     assert s["k3_mean"] == pytest.approx(2e-6) and s["k3_final"] == pytest.approx((1e-6 + 4 * 3e-6) / 5)
     assert s["skipped_steps"] == 1 and s["wall_s"] == pytest.approx(16.0)
     table = markdown_table([s])
-    assert "| fp16/grpo | 8 |" in table and "| 7 |" in table
+    assert "| a | 8 |" in table and "| 7 |" in table
 
 
 def test_report_cli_overlays_runs(tmp_path):
@@ -100,6 +104,7 @@ def test_report_reads_metrics_like_the_trainer_and_refuses_empty_runs(tmp_path, 
     with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "reward/me')
     assert summarize(tmp_path / "a")["steps"] == 3
+    assert "metrics.jsonl:4: the last line is cut short" in capsys.readouterr().err  # said once, not silently
     # no steps at all: refused, and nothing is written into the run directory
     _write_run(tmp_path / "e", [], [])
     before = sorted(p.name for p in (tmp_path / "e").iterdir())
@@ -123,11 +128,11 @@ def test_sanity_end_to_end_small(tmp_path):
     assert (out / "sft" / "model" / "config.json").exists()
     assert 1 <= len((out / "perfectible.jsonl").read_text().splitlines()) <= 8
     report = json.loads((out / "report.json").read_text())["arms"]
-    assert [a["arm"] for a in report] == ["fp32/grpo", "fp16/grpo"]
+    assert [a["arm"] for a in report] == ["fp32-grpo", "fp16-grpo"]
     assert all(a["steps"] == 3 for a in report)
     k3 = {a["arm"]: a["k3_mean"] for a in report}
-    assert k3["fp16/grpo"] > k3["fp32/grpo"]
-    assert "| fp16/grpo |" in (out / "report.md").read_text()
+    assert k3["fp16-grpo"] > k3["fp32-grpo"]
+    assert "| fp16-grpo |" in (out / "report.md").read_text()
     # a rerun reuses the SFT model and the set, and finds the arms finished
     before = (out / "perfectible.jsonl").read_text()
     assert main(args) == 0

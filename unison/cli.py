@@ -81,14 +81,23 @@ def cmd_probe(args) -> int:
             console.print(f"{eng}: bf16/fp16 ratio of token k3 = {_fmt(rk)}, of seq KL = {_fmt(rs)}, "
                           f"of seq KL (k3 sum) = {_fmt(rs3)}")
     console.print("wrote " + ", ".join(str(p) for p in written))
-    return 0
+    from unison.probe import exact_failed
+
+    failed = [r for r in out["results"] if exact_failed(r)]
+    for r in failed:
+        print(f"unison: error: exact mode failed for {r['precision']}: only {r['mismatch/identical_fraction']:.1%} of "
+              f"tokens have log π == log μ bitwise (k3 {r['mismatch/k3']:.2e}): this is a bug in unison — please "
+              f"report it with `lscpu` and the command", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="run RL training from a YAML config",
                        description="Run the RL loop. Writes config.yaml, metrics.jsonl, summary.json, "
                                    "checkpoints/ and plots/ into --out.")
-    p.add_argument("config", help="YAML config (see configs/ and docs/config.md)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML config (see configs/ and docs/config.md); with --resume it may be left out: the "
+                        "run's own config.yaml is read")
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-5 (repeatable)")
@@ -102,12 +111,26 @@ def cmd_train(args) -> int:
 
     from unison.distributed import current
 
-    cfg = load_config(args.config, args.set)
+    config = args.config
+    if config is None:
+        saved = Path(args.out) / "config.yaml"
+        if not args.resume:
+            raise UnisonError("unison train needs a CONFIG (a YAML file; see configs/), or --resume to continue "
+                              "the run in --out with its own config.yaml")
+        if not saved.is_file():
+            raise UnisonError(f"--resume without a CONFIG reads '{saved}', which does not exist: pass the config, "
+                              f"or check --out")
+        config = saved
+    cfg = load_config(config, args.set)
     summary = Trainer(cfg, args.out, resume=args.resume).fit()
     if current().is_main:
-        print(f"done: {summary['steps']} steps, reward {summary['reward_first']} -> "
-              f"{summary['reward_last']} (last-5 mean {summary['reward_last5_mean']}); run in {args.out}")
+        print(f"done: {summary['steps']} steps, reward {_num(summary['reward_first'])} -> "
+              f"{_num(summary['reward_last'])} (last-5 mean {_num(summary['reward_last5_mean'])}); run in {args.out}")
     return 0
+
+
+def _num(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
 
 
 def _add_sft(sub) -> None:
@@ -210,10 +233,10 @@ def cmd_sanity(args) -> int:
                                    k=args.k, band=band, max_prompts=args.max_prompts, seeds=seeds,
                                    quantizations=_csv(args.quantization))
     console = Console(width=max(Console().width, 140))
-    console.print(rich_table(summaries))
+    console.print(rich_table(summaries, title="sanity test: one row per arm"))
     by = {s["arm"]: s for s in summaries}
     for algo in _csv(args.algorithms):
-        bf, fp = by.get(f"bf16/{algo}"), by.get(f"fp16/{algo}")
+        bf, fp = by.get(f"bf16-{algo}"), by.get(f"fp16-{algo}")
         if bf and fp and bf["k3_mean"] is not None and fp["k3_mean"]:
             console.print(f"{algo}: mean token k3 bf16/fp16 = {ratio(bf['k3_mean'], fp['k3_mean']):.0f}x")
     console.print(f"report: {report}")
@@ -222,7 +245,7 @@ def cmd_sanity(args) -> int:
 
 def _add_report(sub) -> None:
     p = sub.add_parser("report", help="overlaid curves and a comparison table of run directories",
-                       description="Write report.md (table per run: final training accuracy, steps to 95%%, "
+                       description="Write report.md (table per run: final training accuracy, steps to 95%, "
                                    "mismatch, skipped steps, wall time, tokens/s) and overlaid plots.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (unison train / sanity arms)")
     p.add_argument("--out", default=None,

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from unison.errors import UnisonError
+from unison.tasks.math import MATH_TEMPLATE
 
 
 class _Section(BaseModel):
@@ -28,7 +29,9 @@ class _Section(BaseModel):
 class TaskConfig(_Section):
     """Where prompts and rewards come from (see ``unison/tasks/``)."""
 
-    name: Literal["arithmetic", "scratchpad", "math", "reasoning_gym"] = "arithmetic"
+    #: arithmetic | scratchpad | math (JSONL problem/answer, math-verify) | jsonl (your prompts and your
+    #: reward function: README, "Bring your own task") | reasoning_gym
+    name: Literal["arithmetic", "scratchpad", "math", "jsonl", "reasoning_gym"] = "arithmetic"
     #: arithmetic, scratchpad: number of digits of each operand
     digits: int = Field(2, ge=1, le=9)
     #: scratchpad: operands of each chained sum (7: worked answers of 60–80 characters)
@@ -46,17 +49,23 @@ class TaskConfig(_Section):
     eval_size: int = Field(200, ge=0)
     #: seed of the task generator (train/eval split included)
     seed: int = 0
-    #: math: JSONL file with ``problem`` and ``answer`` per row;
+    #: math: JSONL file with ``problem`` and ``answer`` per row, or a set shipped with unison:
+    #: builtin:sanity_math (Paper A's 1460), builtin:math500, builtin:aime2024, builtin:amc23;
+    #: jsonl: rows with ``prompt`` (or ``problem``), optional ``answer``, any other fields;
     #: arithmetic: optional JSONL of ``prompt``/``answer`` rows that replaces the generated
     #: train split (e.g. the perfectible set written by ``unison filter``)
     path: str | None = None
-    #: math: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
+    #: math, jsonl: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
     eval_path: str | None = None
-    #: math: prompt template (``{problem}``); applied inside the chat template when there is one
-    template: str = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    #: math: prompt template (``{problem}``), printed at start; jsonl: an optional template over the
+    #: row's fields (``{prompt}``, ...; the math default leaves jsonl prompts as written); both go
+    #: inside the chat template when the model has one. Other tasks ignore it
+    template: str = MATH_TEMPLATE
     #: reasoning_gym: dataset name, e.g. ``basic_arithmetic``, ``chain_sum``
     dataset: str | None = None
-    #: custom reward ``module:function`` called as ``f(response, item) -> float``; replaces the task's verifier
+    #: custom reward ``module:function`` (``module.py`` next to the config file, or importable) or
+    #: ``path/to/file.py:function``, called as ``f(response: str, item: Item) -> float``; replaces
+    #: the task's verifier (README, "Bring your own task")
     reward: str | None = None
     #: reward given to a response cut at max tokens (Paper A: 0)
     truncated_reward: float | None = 0.0
@@ -472,6 +481,7 @@ def merge(base: dict, update: dict) -> dict:
 def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
     """Apply ``--set`` overrides to ``data``, check the keys, validate."""
     data = merge({}, data)
+    raw: dict[tuple, str] = {}
     for text in overrides or []:
         keys, value = parse_override(text)
         node = data
@@ -480,16 +490,46 @@ def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
             if not isinstance(node, dict):
                 raise UnisonError(f"--set '{text}': '{k}' is not a section")
         node[keys[-1]] = value
+        raw[tuple(keys)] = text.split("=", 1)[1]
     _check_keys(data, Config)
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        raise UnisonError(_validation_message(e)) from e
+    for _ in range(len(raw) + 1):
+        try:
+            return Config.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = tuple(str(p) for p in err["loc"])
+            if err["type"] != "string_type" or loc not in raw or isinstance(_get(data, loc), str):
+                raise UnisonError(_validation_message(e)) from e
+            _get(data, loc[:-1])[loc[-1]] = raw[loc]  # --set key=Solve: {problem} means the text as written
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _get(data: dict, keys):
+    for k in keys:
+        data = data[k]
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or start from defaults), apply ``--set`` overrides, validate."""
-    return config_from_dict(read_yaml(path) if path is not None else {}, overrides)
+    """Read YAML (or start from defaults), apply ``--set`` overrides, validate. A reward module named
+    ``module:function`` whose ``module.py`` sits next to the config file is found there (its path is
+    recorded, so the run's config.yaml finds it again on --resume)."""
+    cfg = config_from_dict(read_yaml(path) if path is not None else {}, overrides)
+    if path is None:
+        return cfg
+    here = Path(path).resolve().parent
+    spec = cfg.task.reward
+    if spec and ":" in spec and not spec.rsplit(":", 1)[0].endswith(".py"):
+        module, fn = spec.rsplit(":", 1)
+        beside = here / (module.replace(".", "/") + ".py")
+        if beside.is_file():
+            cfg.task.reward = f"{beside}:{fn}"
+    for key in ("path", "eval_path"):  # data named relative to the config file, when not found from here
+        value = getattr(cfg.task, key)
+        if value and not value.startswith("builtin:") and not Path(value).expanduser().exists() \
+                and (here / value).exists():
+            setattr(cfg.task, key, str(here / value))
+    return cfg
 
 
 def _fix_yaml_floats(node) -> None:

@@ -33,7 +33,7 @@ def read_jsonl(path: str | Path, required: dict[str, type | tuple[type, ...]] | 
     ``line_numbers``, when given, receives the 1-based line of each returned row
     (for errors that point back into the file). The file must be UTF-8.
     """
-    path = Path(path)
+    path = resolve_data_path(path)
     if not path.exists():
         raise UnisonError(f"data file '{path}' does not exist: check the path")
     if not path.is_file():
@@ -90,9 +90,10 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return path
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path, on_torn=None) -> list[dict]:
     """The rows of a ``metrics.jsonl``. A last line cut short (the expected trace of a
-    SIGKILL during a write) is dropped; a damaged line anywhere else is an error."""
+    SIGKILL during a write) is dropped — ``on_torn(message)`` hears of it; a damaged line
+    anywhere else is an error."""
     path = Path(path)
     if not path.exists():
         return []
@@ -107,11 +108,37 @@ def read_metrics(path: str | Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                break  # torn last line
+            if i == len(lines) - 1:  # torn last line
+                if on_torn is not None:
+                    on_torn(f"{path}:{i + 1}: the last line is cut short (a run killed while writing it) "
+                            f"and is ignored")
+                break
             raise UnisonError(f"{path}:{i + 1}: not valid JSON ({e.msg}): the file is damaged; "
                               f"remove that line") from e
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise UnisonError(f"{path}:{i + 1}: not a metrics row (no integer \"step\"): remove that line")
         rows.append(row)
     return rows
+
+
+#: data sets shipped in the package (unison/data/math/README.md: origin and licence of each)
+BUILTIN_DATA = {"sanity_math": "sanity_math_1460.jsonl", "math500": "math500.jsonl", "aime2024": "aime2024.jsonl",
+                "amc23": "amc23.jsonl"}
+
+
+def resolve_data_path(path: str | Path, what: str = "task.path") -> Path:
+    """A data file's path: ``builtin:NAME`` names a set shipped with unison, anything else is a path."""
+    text = str(path)
+    if not text.startswith("builtin:"):
+        return Path(text).expanduser()
+    name = text[len("builtin:"):]
+    if name not in BUILTIN_DATA:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(BUILTIN_DATA), n=1)
+        hint = f"did you mean 'builtin:{close[0]}'? " if close else ""
+        raise UnisonError(f"{what} '{text}' is not a data set shipped with unison: {hint}choose one of "
+                          f"{', '.join('builtin:' + n for n in BUILTIN_DATA)}, or give a path")
+    from importlib import resources
+
+    return Path(str(resources.files("unison") / "data" / "math" / BUILTIN_DATA[name]))

@@ -171,9 +171,11 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     if path.suffix.lower() == ".gguf" and path.is_file():
         return gguf_model_dir(path)
     if not path.exists():
+        if text in BUILTIN_SPECS or text == "smollm2":
+            raise UnisonError(f"model '{text}' is not a directory: did you mean 'builtin:{text}'?")
         raise UnisonError(
-            f"model directory '{path}' does not exist: pass a local Hugging Face model "
-            f"directory, or omit --model to use the built-in tiny model"
+            f"model directory '{path}' does not exist: pass a local Hugging Face model directory (the demo's "
+            f"warm-started model is runs/demo/sft/model), a .gguf file, builtin:tiny or builtin:smollm2"
         )
     if not path.is_dir():
         raise UnisonError(f"model path '{path}' is not a directory: pass a Hugging Face model directory")
@@ -274,6 +276,20 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
         raise UnisonError(f"cannot load weights from '{model_dir}' ({e}): check the directory "
                           f"holds model.safetensors or pytorch_model.bin") from e
     return model.to(device).eval()
+
+
+#: families whose decoder layers the fused fast path runs
+FAST_PATH_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _uses_window(config) -> bool:
+    window = getattr(config, "sliding_window", None)
+    return window is not None and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False))
+
+
+def decode_path(config) -> str:
+    """``fast`` for the fused Llama-family path (no sliding window in use), else ``generic``."""
+    return "fast" if config.model_type in FAST_PATH_TYPES and not _uses_window(config) else "generic"
 
 
 def model_shell(model_dir: Path):

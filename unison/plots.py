@@ -93,8 +93,8 @@ def run_plots(run_dirs, out_dir: Path | None = None, labels: list[str] | None = 
         for i, (label, rows) in enumerate(series):
             color = f"C{i}"
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if pts:
-                ax.plot(*zip(*pts), label=label, lw=1.3, color=color)
+            if pts:  # few points get markers: a single step is a dot, not a vertical line
+                ax.plot(*zip(*pts), label=label, lw=1.3, color=color, marker="o" if len(pts) <= 3 else None, ms=4)
             if key == "mismatch/prob_diff_mean":
                 mx = [(r["step"], r["mismatch/prob_diff_max"]) for r in rows
                       if isinstance(r.get("mismatch/prob_diff_max"), (int, float))]

@@ -162,6 +162,10 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
 
         check_supported(model_config(model_dir), "--exact")
         exact_learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature, exact=True)
+        from unison.exact import self_check
+
+        exact_ops = self_check(exact_learner.exact, {Precision.resolve(p).rollout_dtype for p in precisions},
+                               width + cfg.max_new_tokens)
         arms += [("native", p, "none", True) for p in precisions]
     results, samples, timings = [], [], []
     for engine_name, prec_name, quant, exact in arms:
@@ -172,6 +176,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
                              seed=cfg.seed, exact=exact, prompt_width=width if exact else None,
                              quantization=quant, quant_group_size=cfg.quant_group_size)
+        if exact:
+            engine.exact.ops = exact_ops
         log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
             f"(max {cfg.max_new_tokens} new tokens)")
         t0 = time.perf_counter()
@@ -248,6 +254,11 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b not in (0, 0.0) else None
 
 
+def exact_failed(result: dict) -> bool:
+    """An exact-mode row whose log π and log μ are not bitwise equal on every token: a failure, not a result."""
+    return bool(result.get("exact")) and result.get("mismatch/identical_fraction", 1.0) < 1.0
+
+
 def format_table(results: list[dict], timings: list[dict] | None = None):
     """A rich Table of the main metrics per arm."""
     from rich.table import Table
@@ -278,7 +289,9 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
         row = []
         for _, key in cols:
             v = r.get(key)
-            if isinstance(v, bool):
+            if key == "exact" and exact_failed(r):
+                row.append(f"[bold red]FAILED ({r['mismatch/identical_fraction']:.2f} identical)[/]")
+            elif isinstance(v, bool):
                 row.append("yes" if v else "no")
             elif isinstance(v, str):
                 row.append(v)

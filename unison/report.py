@@ -49,23 +49,29 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
         if not isinstance(cfg, dict):
             raise UnisonError(f"'{d / 'config.yaml'}' is not a mapping of config keys: restore it "
                               f"or delete it")
-    rows = read_metrics(d / "metrics.jsonl")
+    rows = read_metrics(d / "metrics.jsonl", on_torn=_note)
     if not rows:
         raise UnisonError(f"'{d}' has no training steps in metrics.jsonl: nothing to report")
     return cfg, rows
 
 
-def arm_label(cfg: dict, run_dir: Path) -> str:
-    if cfg.get("precision") and cfg.get("algo"):
-        quant = (cfg.get("rollout") or {}).get("quantization") or "none"
-        return (f"{cfg['precision']}{'-exact' if cfg.get('exact') else ''}"
-                f"{'' if quant == 'none' else '/' + quant}/{cfg['algo']}")
-    return run_dir.name
+_NOTED: set[str] = set()
+
+
+def _note(message: str) -> None:
+    """One line on stderr per damaged-but-readable file (a report must not pass over it silently)."""
+    import sys
+
+    if message not in _NOTED:
+        _NOTED.add(message)
+        print(f"unison: note: {message}", file=sys.stderr)
 
 
 def summarize(run_dir: str | Path) -> dict:
     d = Path(run_dir)
-    cfg, rows = load_run(d)
+    _, rows = load_run(d)
+    # initial and final accuracy over 5 steps each, or over each half of a shorter run (never the same steps)
+    w = WINDOW if len(rows) > WINDOW else max(1, len(rows) // 2)
     rewards = [r.get("reward/mean") for r in rows]
     steps_to_95 = None
     for i in range(len(rows)):
@@ -75,9 +81,10 @@ def summarize(run_dir: str | Path) -> dict:
             break
     last = rows[-WINDOW:]
     return {
-        "run": str(d), "arm": arm_label(cfg, d), "steps": rows[-1]["step"] if rows else 0,
-        "initial_accuracy": _mean(rewards[:WINDOW]),
-        "final_accuracy": _mean([r.get("reward/mean") for r in last]),
+        # a run is named by its directory (unison sanity names its arms precision-algorithm)
+        "run": str(d), "arm": d.name, "steps": rows[-1]["step"] if rows else 0,
+        "initial_accuracy": _mean(rewards[:w]),
+        "final_accuracy": _mean(rewards[-w:]) if len(rows) > 1 else _mean(rewards),
         "steps_to_95": steps_to_95,
         "k3_mean": _mean([r.get("mismatch/k3") for r in rows]),
         "k3_final": _mean([r.get("mismatch/k3") for r in last]),
@@ -112,10 +119,10 @@ def markdown_table(summaries: list[dict]) -> str:
     return "\n".join([head, sep, *body])
 
 
-def rich_table(summaries: list[dict]):
+def rich_table(summaries: list[dict], title: str = "runs compared: one row per run"):
     from rich.table import Table
 
-    t = Table(title="sanity test: one row per arm")
+    t = Table(title=title)
     for name, _, _ in COLUMNS:
         t.add_column(name, justify="left" if name == "arm" else "right")
     for s in summaries:
@@ -130,9 +137,9 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
     if not run_dirs:
         raise UnisonError("no run directory given: pass one or more RUN_DIRs")
     summaries = [summarize(d) for d in run_dirs]  # validates every dir first
-    if len({s["arm"] for s in summaries}) < len(summaries):  # same precision/algo: name by directory
+    if len({s["arm"] for s in summaries}) < len(summaries):  # equal directory names: add their parents
         for s, d in zip(summaries, run_dirs):
-            s["arm"] = d.name
+            s["arm"] = f"{d.parent.name}/{d.name}"
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")

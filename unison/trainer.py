@@ -94,6 +94,11 @@ class Trainer:
                                   self.tokenizer, self.prompt_ids, self.dist, self.learner, model_dir,
                                   self.prec.rollout_dtype)
         self.engine = self.source.engine  # the in-process engine, or the worker backend (K ≥ 1)
+        if self.layout is not None:  # exact mode: this CPU's kernels are checked before anything is written
+            from unison.exact import self_check
+
+            ops = self_check(self.learner.exact, {self.prec.rollout_dtype, self.prec.learner_dtype}, self.layout[1])
+            self.engine.exact.ops = ops
         self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass)
         self.correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
         self.schedule = make_schedule(cfg.train)
@@ -129,6 +134,10 @@ class Trainer:
                  f"precision {self.prec.label}"
                  f"{'' if r.quantization == 'none' else f', rollout weights {r.quantization}'}, engine {cfg.engine}"
                  f"{ahead}, world size {self.dist.world_size}")
+        if self.task.name == "math":
+            self.log(f"[train] math prompts: task.template {cfg.task.template!r}")
+        if getattr(self.tokenizer, "chat_template", None) is None and self.task.name in ("math", "jsonl"):
+            self.log("[train] the model has no chat template: prompts go to it as raw text")
         n = sum(p.numel() for p in self.learner.model.parameters())
         c = cfg.checkpoint
         when = " and ".join(x for x in (f"every {c.every} steps" if c.every else "",
@@ -282,7 +291,8 @@ class Trainer:
         if errors and errors / max(calls, 1) > t.reward_error_warn:
             self.log(f"[train] WARNING step {metrics['step']}: {errors} of {calls} rewards raised "
                      f"(scored 0); last: {roll.last_error}")
-        self.failed_reward_steps = self.failed_reward_steps + 1 if calls and errors >= calls else 0
+        if calls:  # a step that made no call (every response truncated) neither fails nor clears the count
+            self.failed_reward_steps = self.failed_reward_steps + 1 if errors >= calls else 0
         if t.reward_error_patience and self.failed_reward_steps >= t.reward_error_patience:
             fn = t.reward or f"the {self.task.name} task's verifier"
             raise UnisonError(f"every call of the reward function {fn} raised for {self.failed_reward_steps} "

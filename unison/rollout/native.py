@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from unison.batch import Completion
 from unison.errors import UnisonError
-from unison.exact import ExactForward, full_allowed, token_logp
-from unison.models import load_model, load_tokenizer
+from unison.exact import ExactForward, full_allowed
+from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer  # noqa: F401 - re-exported
 from unison.quant import DEFAULT_GROUP, check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 
@@ -181,7 +181,8 @@ class NativeEngine:
         for t in range(T):
             tok, lp = sample_tokens(logits, params, seeds[active], t)
             if self.exact is not None:  # the learner's formula, on the same logits
-                lp = torch.zeros_like(lp) if params.temperature == 0 else token_logp(logits, tok, params.temperature)
+                lp = torch.zeros_like(lp) if params.temperature == 0 else \
+                    self.exact.ops.token_logp(logits, tok, params.temperature)
             out_tokens[active, t] = tok
             out_logp[active, t] = lp
             lengths[active.cpu()] = t + 1
@@ -369,20 +370,6 @@ class _GenericBackend:
         out = self.eng.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
                              use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
-
-
-#: families whose decoder layers the fused fast path runs
-FAST_PATH_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def _uses_window(config) -> bool:
-    window = getattr(config, "sliding_window", None)
-    return window is not None and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False))
-
-
-def decode_path(config) -> str:
-    """``fast`` for the fused Llama-family path (no sliding window in use), else ``generic``."""
-    return "fast" if config.model_type in FAST_PATH_TYPES and not _uses_window(config) else "generic"
 
 
 def check_request(config, prompt_len: int, max_tokens: int) -> None:

@@ -16,9 +16,31 @@ from unison.errors import UnisonError
 
 @dataclass
 class Item:
+    """One problem, as a reward function receives it: ``item.prompt`` (the text before any chat
+    template), ``item.answer`` (the reference, ``""`` when the data has none) and, for data read
+    from JSONL, every field of its row in ``item.fields``. ``item["answer"]``, ``item["my_field"]``
+    and ``item.get("my_field", default)`` read the row's fields (and ``prompt``/``answer``)."""
+
     prompt: str
     answer: str
     meta: dict = field(default_factory=dict)
+    fields: dict = field(default_factory=dict)
+
+    def __getitem__(self, key: str):
+        if key in self.fields:
+            return self.fields[key]
+        if key in ("prompt", "answer"):
+            return getattr(self, key)
+        raise KeyError(f"{key!r}: this item's fields are {sorted({'prompt', 'answer', *self.fields})}")
+
+    def get(self, key: str, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.fields or key in ("prompt", "answer")
 
 
 class Task:
@@ -76,17 +98,24 @@ class RewardFn:
 
 
 def load_callable(spec: str) -> Callable:
-    """``module:function`` -> the function (UnisonError naming what is missing)."""
+    """``module:function`` or ``path/to/file.py:function`` -> the function (UnisonError naming
+    what is missing). A config's ``module:function`` whose ``module.py`` sits next to the config
+    file is turned into the file's path when the config is read (unison/config.py)."""
     if ":" not in spec:
         raise UnisonError(f"reward '{spec}' is not module:function: write e.g. my_rewards:exact_match")
-    mod_name, fn_name = spec.split(":", 1)
+    mod_name, fn_name = spec.rsplit(":", 1)
     try:
-        mod = importlib.import_module(mod_name)
+        if mod_name.endswith(".py"):
+            mod = _import_file(mod_name)
+        else:
+            mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name is not None and mod_name != e.name and not mod_name.startswith(e.name + "."):
             raise UnisonError(f"reward module '{mod_name}' does not import: it needs '{e.name}', "
                               f"which is not installed") from e
-        raise UnisonError(f"cannot import reward module '{mod_name}' ({e}): put it on PYTHONPATH") from e
+        raise UnisonError(f"cannot import reward module '{mod_name}' ({e}): put {mod_name.split('.')[0]}.py next to "
+                          f"the config file, give its path (task.reward=path/to/file.py:function), or put it on "
+                          f"PYTHONPATH") from e
     except Exception as e:  # noqa: BLE001 - a SyntaxError or a raising module body is the user's
         where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) else ""
         msg = str(e).splitlines()[0][:160] if str(e) else ""
@@ -96,6 +125,26 @@ def load_callable(spec: str) -> Callable:
     if not callable(fn):
         raise UnisonError(f"reward '{spec}': module '{mod_name}' has no function '{fn_name}'")
     return fn
+
+
+def _import_file(path: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ModuleNotFoundError(f"no file {path}", name=p.stem)
+    name = f"unison_reward_{p.stem}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    sys.path.insert(0, str(p.parent))  # the module's own imports of its neighbours
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(p.parent))
+    return mod
 
 
 def make_task(cfg) -> Task:
@@ -117,6 +166,17 @@ def make_task(cfg) -> Task:
                               "point it at a JSONL file of {problem, answer} rows")
         return MathTask(cfg.path, eval_path=cfg.eval_path, eval_size=cfg.eval_size,
                         template=cfg.template, seed=cfg.seed)
+    if cfg.name == "jsonl":
+        from unison.tasks.jsonl import JsonlTask
+
+        if not cfg.path:
+            raise UnisonError("task.name is 'jsonl' but task.path is not set: point it at a JSONL file with a "
+                              "'prompt' (or 'problem') field per row")
+        if not cfg.reward:
+            raise UnisonError("task.name is 'jsonl' but task.reward is not set: name your reward function, "
+                              "e.g. task.reward=my_reward:score (README, 'Bring your own task')")
+        return JsonlTask(cfg.path, eval_path=cfg.eval_path, eval_size=cfg.eval_size, template=cfg.template,
+                         seed=cfg.seed)
     if cfg.name == "reasoning_gym":
         from unison.tasks.gym import ReasoningGymTask
 
@@ -125,7 +185,7 @@ def make_task(cfg) -> Task:
                               "name a reasoning-gym dataset, e.g. basic_arithmetic")
         return ReasoningGymTask(cfg.dataset, train_size=cfg.train_size, eval_size=cfg.eval_size,
                                 seed=cfg.seed)
-    raise UnisonError(f"unknown task '{cfg.name}': choose arithmetic, scratchpad, math or reasoning_gym")
+    raise UnisonError(f"unknown task '{cfg.name}': choose arithmetic, scratchpad, math, jsonl or reasoning_gym")
 
 
 def make_reward(task: Task, cfg) -> RewardFn:

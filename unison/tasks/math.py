@@ -31,6 +31,9 @@ from unison.data_io import read_jsonl
 from unison.errors import UnisonError
 from unison.tasks import Item, Task
 
+#: the math task's default prompt template (``task.template``): Paper A's instruction after the problem
+MATH_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
 #: relative tolerance between two exact numbers math-verify called equal (evaluated to 30 digits)
 REL_TOL_EXACT = 1e-9
 #: relative tolerance when either side holds a float (math-verify itself requires 6 equal decimals)

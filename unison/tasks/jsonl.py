@@ -1,0 +1,57 @@
+"""Bring your own task: prompts from JSONL, your reward function (``task.name: jsonl``).
+
+Each row needs ``prompt`` (or ``problem``); ``answer`` is optional; every other field is kept and
+reaches the reward function as ``item.fields`` (``item["difficulty"]``). The prompt goes to the
+model as written — through the model's chat template when it has one — or through
+``task.template`` when you set one (``{prompt}`` and any field of the row, e.g.
+``"Q: {prompt}\\nA:"``). There is no built-in verifier: ``task.reward: module:function`` scores
+each response, called as ``f(response: str, item: Item) -> float``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from unison.data_io import read_jsonl
+from unison.errors import UnisonError
+from unison.tasks import Item, Task
+
+
+def _items(path: str, template: str | None) -> list[Item]:
+    lines: list[int] = []
+    rows = read_jsonl(path, {"prompt": str}, {"prompt": ("problem",)}, line_numbers=lines)
+    items = []
+    for row, n in zip(rows, lines):
+        prompt = row["prompt"]
+        if template:
+            try:
+                prompt = template.format(**row)
+            except (KeyError, IndexError, ValueError) as e:
+                raise UnisonError(f"{path}:{n}: task.template {template!r} does not fit this row ({type(e).__name__}: "
+                                  f"{e}): use {{prompt}} and the row's fields {sorted(row)}") from e
+        answer = row.get("answer")
+        items.append(Item(prompt=prompt, answer="" if answer is None else str(answer),
+                          meta={"source": f"{path}:{n}"}, fields=dict(row)))
+    return items
+
+
+class JsonlTask(Task):
+    name = "jsonl"
+
+    def __init__(self, path: str, eval_path: str | None = None, eval_size: int = 0, template: str | None = None,
+                 seed: int = 0):
+        from unison.tasks.math import MATH_TEMPLATE, eval_holdout
+
+        template = None if template in (None, "", MATH_TEMPLATE) else template  # the math default is math's own
+        items = _items(path, template)
+        if eval_path:
+            self.train, self.eval = items, _items(eval_path, template)
+        else:
+            order = list(range(len(items)))
+            random.Random(seed).shuffle(order)
+            k = eval_holdout(len(items), eval_size)
+            self.eval = [items[i] for i in order[:k]]
+            self.train = [items[i] for i in order[k:]]
+
+    def score(self, response: str, item: Item) -> float:  # pragma: no cover - task.reward is required
+        raise UnisonError("task 'jsonl' has no built-in verifier: set task.reward=module:function")
