@@ -263,3 +263,32 @@ def test_each_rank_generates_its_own_groups_and_their_union_is_one_process(env, 
         assert len(r0[step]) == len(r1[step]) == 16  # 4 prompts x 4 samples on each rank
         assert r0[step] + r1[step] == single[step]  # rank 0's groups then rank 1's: one process's step
         assert len(prompts0) == len(prompts1) == 4 and prompts0.isdisjoint(prompts1)  # disjoint groups
+
+
+def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(env, tmp_path):
+    """The learner loads once per job: the other ranks build the model on the meta device and receive
+    their shards (and the rotary buffers) from rank 0."""
+    script = tmp_path / "load.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, torch
+        import unison.learner as L
+        from unison.config import load_config
+        from unison.distributed import current, init_distributed, full_tensor
+        from unison.models import builtin_model_dir, load_model
+        calls = []
+        real = L.load_model
+        L.load_model = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        init_distributed("cpu")
+        d = builtin_model_dir("tiny")
+        learner = L.Learner.from_config(load_config(None, ["train.steps=1"]), d, current())
+        ref = load_model(d)
+        same = all(torch.equal(full_tensor(p.detach()), ref.state_dict()[n]) for n, p in learner.model.named_parameters())
+        bufs = all(torch.equal(b, dict(ref.named_buffers())[n]) for n, b in learner.model.named_buffers())
+        with open(os.environ["OUT"] + f"/rank{current().rank}.json", "w") as f:
+            json.dump({"loads": len(calls), "same": same, "buffers": bufs}, f)
+    """))
+    out = _torchrun([str(script)], {**env, "OUT": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["loads"] for r in ranks] == [1, 0]
+    assert all(r["same"] and r["buffers"] for r in ranks)

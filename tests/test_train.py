@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from unison.cli import main
 from unison.config import load_config
@@ -200,3 +201,33 @@ def test_grad_noise_terms_are_unscaled_in_fp16(tmp_path, monkeypatch):
     # micro-batch norms are measured on scaled gradients; forgetting to unscale would make
     # small_sq ~4e9 times big_sq
     assert 1.0 < r["grad_noise/small_sq"] / r["grad_noise/big_sq"] < 100.0
+
+
+def test_token_budget_micro_batches_equal_padded_ones_within_fp32_rounding(tmp_path):
+    """Rows grouped by length into micro-batches of at most 40 tokens, each cut to its own longest row:
+    the same samples and rewards, losses and gradient norms equal to fp32 rounding."""
+    extra = ["train.steps=3", "rollout.max_new_tokens=8", "train.mini_batches=2"]
+    _, padded = _run(tmp_path, "padded", extra + ["train.micro_batch_tokens=null"], 3)
+    _, budget = _run(tmp_path, "budget", extra + ["train.micro_batch_tokens=40"], 3)
+    a, b = read_metrics(padded / "metrics.jsonl"), read_metrics(budget / "metrics.jsonl")
+    for x, y in zip(a, b):
+        assert x["reward/mean"] == y["reward/mean"] and x["response_length/mean"] == y["response_length/mean"]
+        for k in ("policy/loss", "optim/grad_norm", "mismatch/k3"):
+            assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-9), k
+
+
+def test_token_budget_groups_rows_by_length_within_both_limits():
+    from unison.batch import Completion, collate
+    from unison.learner import Learner
+
+    lens = [9, 2, 7, 3, 3, 8, 1, 5]
+    comps = [Completion(prompt_ids=[1], token_ids=[2] * (n - 1), logprobs=[0.0] * (n - 1), finish_reason="stop")
+             for n in lens]
+    b = collate(comps, pad_id=0)
+    learner = Learner.__new__(Learner)
+    learner.dist, learner.exact = __import__("unison.distributed", fromlist=["current"]).current(), None
+    learner.micro_batch_size, learner.micro_batch_tokens = 3, 16
+    groups = [g.tolist() for g in learner._shares(torch.arange(len(lens)), b)[0]]
+    # longest first: 9 (+8 would be 2 x 9 = 18 > 16), 8+7 (2 x 8 = 16), 5+3+3 (3 x 5 = 15), 2+1
+    assert [[lens[i] for i in g] for g in groups] == [[9], [8, 7], [5, 3, 3], [2, 1]]
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))  # every row exactly once

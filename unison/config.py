@@ -186,6 +186,12 @@ class TrainConfig(_Section):
     mini_batches: int = Field(1, ge=1)
     #: rows per forward/backward (gradient accumulation inside a mini-batch)
     micro_batch_size: int = Field(32, ge=1)
+    #: token budget of a micro-batch (verl's ppo_max_token_len_per_gpu): rows are grouped by length,
+    #: longest first, into micro-batches of at most this many tokens (rows × the micro-batch's own
+    #: longest row, to which it is cut) and at most micro_batch_size rows. Bounds the activation memory
+    #: whatever the response lengths; null = micro_batch_size rows at the whole batch's width (the
+    #: numerics of unison ≤ 0.1 before this key). Ignored in exact mode (its layout is fixed)
+    micro_batch_tokens: int | None = Field(4096, ge=1)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -240,13 +246,14 @@ class VLLMConfig(_Section):
     #: colocate + enable_sleep_mode: 1 offloads the weights to CPU memory, 2 drops them (the sync reloads)
     sleep_level: Literal[1, 2] = 2
 
-    #: fraction of GPU memory vLLM may take (GPU only)
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    #: fraction of GPU memory vLLM may take (GPU only; default 0.6 with sleep mode, which frees it
+    #: during every update, else 0.3)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     #: tensor-parallel degree (GPU only)
     tensor_parallel_size: int = Field(1, ge=1)
-    #: sleep mode for training colocated on the same GPU (GPU only)
-    enable_sleep_mode: bool = False
-    #: context length vLLM reserves for (default: the model's)
+    #: sleep mode for training colocated on the same GPU (default: on on GPUs, off on CPUs)
+    enable_sleep_mode: bool | None = None
+    #: context length vLLM reserves for (default: the run's longest request, prompt + max_new_tokens)
     max_model_len: int | None = Field(None, ge=1)
 
 

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from unison.batch import RolloutBatch
 from unison.distributed import Dist, current, decoder_layers, full_tensor, local_tensor, shard
 from unison.errors import UnisonError
-from unison.models import load_model, load_tokenizer
+from unison.models import load_model, load_tokenizer, model_shell
 from unison.precision import Precision, autocast
 
 #: positions per chunk of the output layer (``train.logprob_chunk``'s default)
@@ -244,15 +244,21 @@ class Learner:
                  device: str = "cpu", temperature: float = 1.0, dist: Dist | None = None,
                  param_dtype: str = "fp32", micro_batch_size: int = 16, logprob_chunk: int = DEFAULT_CHUNK,
                  routing_replay: bool = False, aux_loss_coef: float = 0.0, lora_cfg=None, exact: bool = False,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, micro_batch_tokens: int | None = None):
         self.model_dir = Path(model_dir)
         self.dist = dist or current()
         self.device = self.dist.device if self.dist.enabled else torch.device(device)
         self.compute_dtype = compute_dtype
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        #: token budget of a micro-batch (rows × its own longest row); None: micro_batch_size rows
+        self.micro_batch_tokens = micro_batch_tokens
         self.logprob_chunk = logprob_chunk
-        self.model = load_model(self.model_dir, dtype=torch.float32, device=str(self.device))  # masters
+        #: under torchrun only rank 0 reads the weights; the others build the model on the meta device and
+        #: receive their shards from rank 0 after sharding (one host copy per job, not one per rank)
+        shell = self.dist.enabled and not self.dist.is_main
+        self.model = model_shell(self.model_dir, for_training=True) if shell else \
+            load_model(self.model_dir, dtype=torch.float32, device=str(self.device))  # masters
         self.tokenizer = load_tokenizer(self.model_dir)
         self.peft = None
         if lora_cfg is not None and lora_cfg.rank > 0:  # adapters injected in place; only they train
@@ -287,8 +293,17 @@ class Learner:
         #: under torchrun; one process does the same cast itself). Else fp32 parameters under autocast.
         self.cast_params = param_dtype == "compute" and compute_dtype != torch.float32
         if self.sharded:
+            full = {k: v for k, v in self.model.state_dict().items()} if not shell else {}
             shard(self.forward_module, decoder_layers(self.model), self.dist,
                   param_dtype=compute_dtype if self.cast_params else None)
+            if shell:
+                self.forward_module.to_empty(device=self.device)
+            self.load_full_state_dict(full)  # rank 0's weights, broadcast shard by shard
+            del full
+            import torch.distributed as tdist
+
+            for _, buf in sorted(self.forward_module.named_buffers()):  # rotary tables etc. (not in the state dict)
+                tdist.broadcast(buf, src=0)
         self.opt = None
         self.scaler = None
         self.skipped_steps = 0
@@ -307,7 +322,8 @@ class Learner:
                    param_dtype=(cfg.distributed.param_dtype or "compute") if (dist or current()).enabled else "fp32",
                    micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk,
                    routing_replay=cfg.moe.routing_replay, aux_loss_coef=cfg.moe.aux_loss_coef, lora_cfg=cfg.lora,
-                   exact=cfg.exact, activation_checkpointing=t.activation_checkpointing)
+                   exact=cfg.exact, activation_checkpointing=t.activation_checkpointing,
+                   micro_batch_tokens=t.micro_batch_tokens)
         self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.params = [p for p in self.forward_module.parameters() if p.requires_grad]
@@ -326,8 +342,16 @@ class Learner:
         return self
 
     # ---------------------------------------------------------------- forward
+    def _width(self, batch: RolloutBatch, rows: torch.Tensor) -> int:
+        """The columns a micro-batch needs: its own longest row (right-padded layout), or the whole
+        layout (exact mode, and when micro-batches are counted in rows: today's numerics)."""
+        if self.exact is not None or self.micro_batch_tokens is None:
+            return batch.tokens.shape[1]
+        return int(batch.attention_mask[rows].sum(-1).max())
+
     def _forward(self, batch: RolloutBatch, rows: torch.Tensor, return_entropy: bool,
                  routing_out: torch.Tensor | None = None):
+        """log π (and the entropy) of ``rows``, [rows, width] with width = :meth:`_width`."""
         if self.exact is not None:  # the engine's forward, on the engine's layout, weights cast to its dtype
             from unison.exact import learner_logprobs
 
@@ -337,8 +361,9 @@ class Learner:
                                        batch.response_mask[rows].to(self.device), self.temperature,
                                        self.logprob_chunk, return_entropy)
             return (lp, ent) if return_entropy else lp
-        args = (batch.tokens[rows], batch.attention_mask[rows], self.temperature)
-        kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows], chunk=self.logprob_chunk)
+        W = self._width(batch, rows)
+        args = (batch.tokens[rows, :W], batch.attention_mask[rows, :W], self.temperature)
+        kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.logprob_chunk)
         if not self.cast_params:
             dt, kw["cast_to"] = self.compute_dtype, None
         elif self.sharded:  # FSDP2 all-gathers the parameters in the compute dtype
@@ -353,17 +378,37 @@ class Learner:
         with contextlib.ExitStack() as stack:
             stack.enter_context(moe.record(self.model, calls))  # before replay: sees the learner's own choice
             if self.routing_replay and "routing" in batch.extras:
-                stack.enter_context(moe.replay(self.model, _replay_indices(batch.extras["routing"][rows])))
+                stack.enter_context(moe.replay(self.model, _replay_indices(batch.extras["routing"][rows, :W])))
             result = token_logprobs(self.forward_module, *args, dt, self.device, **kw)
         if routing_out is not None and calls:
-            routing_out[rows] = calls[-1].view(len(rows), batch.tokens.shape[1], *calls[-1].shape[1:])
+            routing_out[rows, :W] = calls[-1].view(len(rows), W, *calls[-1].shape[1:])
         return result
 
-    def _shares(self, rows: torch.Tensor) -> list[list[torch.Tensor]]:
-        """Each rank's micro-batches of ``rows``: rank r takes rows[r::world], split into
-        ``micro_batch_size`` pieces. Every rank computes every rank's share (no communication)."""
-        ws, mbs = self.dist.world_size, self.micro_batch_size
-        return [list(rows[r::ws].split(mbs)) for r in range(ws)]
+    def _shares(self, rows: torch.Tensor, batch: RolloutBatch | None = None) -> list[list[torch.Tensor]]:
+        """Each rank's micro-batches of ``rows``: rank r takes rows[r::world], split into pieces of at
+        most ``micro_batch_size`` rows and — with ``micro_batch_tokens`` — at most that many tokens
+        (rows × the piece's longest row: rows are grouped by length, longest first, as verl's dynamic
+        batch size does). Every rank computes every rank's share (no communication)."""
+        ws, mbs, budget = self.dist.world_size, self.micro_batch_size, self.micro_batch_tokens
+        if budget is None or batch is None or self.exact is not None:
+            return [list(rows[r::ws].split(mbs)) for r in range(ws)]
+        lengths = batch.attention_mask.sum(-1)
+        out = []
+        for r in range(ws):
+            mine = rows[r::ws]
+            order = mine[torch.argsort(lengths[mine], descending=True, stable=True)].tolist()
+            groups, cur, widest = [], [], 0
+            for i in order:
+                L = int(lengths[i])
+                if cur and (len(cur) == mbs or (len(cur) + 1) * max(widest, L) > budget):
+                    groups.append(torch.tensor(cur))
+                    cur, widest = [], 0
+                cur.append(i)
+                widest = max(widest, L)
+            if cur:
+                groups.append(torch.tensor(cur))
+            out.append(groups)
+        return out
 
     @property
     def can_score_other_weights(self) -> bool:
@@ -391,7 +436,7 @@ class Learner:
                 for n, d in saved.items():
                     params[n].data = d
         self.model.eval()
-        shares = self._shares(torch.arange(batch.size))
+        shares = self._shares(torch.arange(batch.size), batch)
         mine = shares[self.dist.rank]
         n_fwd = max(len(s) for s in shares)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
@@ -400,7 +445,8 @@ class Learner:
             rows = mine[i] if i < len(mine) else torch.arange(1)
             lp = self._forward(batch, rows, return_entropy=False, routing_out=routing if i < len(mine) else None)
             if i < len(mine):
-                out[rows] = lp.float().cpu() * batch.response_mask[rows]
+                W = lp.shape[1]
+                out[rows, :W] = lp.float().cpu() * batch.response_mask[rows, :W]
         self.last_routing = self._gather_routing(routing)
         return self.dist.all_reduce_(out, "sum")  # each rank filled only its own rows
 
@@ -458,7 +504,7 @@ class Learner:
         aux_coef = self.forward_module.aux_loss_coef if self.moe else 0.0
         for mb_i, mb in enumerate(minis):
             n_tok, n_seq = int(batch.response_mask[mb].sum()), len(mb)
-            shares = self._shares(mb)
+            shares = self._shares(mb, batch)
             mine, n_micro = shares[rank], max(len(s) for s in shares)
             track = self.noise is not None and n_micro > 1
             self.opt.zero_grad(set_to_none=True)
@@ -469,13 +515,14 @@ class Learner:
             for i in range(n_micro):
                 dummy = i >= len(mine)  # this rank has no rows left: a zero-weight forward keeps FSDP in step
                 rows = mb[:1] if dummy else mine[i]
-                m = batch.response_mask[rows].to(self.device)
                 first = mb_i == 0 and not dummy
                 logp, ent = self._forward(batch, rows, return_entropy=True,
                                           routing_out=routing_first if first else None)
-                mu = batch.logp_mu[rows].to(self.device)
-                old = old_logp(rows, logp, mu, mb_i)
-                w = weights(old, mu, m) if callable(weights) else weights[rows].to(self.device)
+                W = logp.shape[1]  # the micro-batch's own width: every per-token tensor is cut to it
+                m = batch.response_mask[rows, :W].to(self.device)
+                mu = batch.logp_mu[rows, :W].to(self.device)
+                old = old_logp(rows, logp, mu, mb_i)[:, :W]
+                w = weights(old, mu, m) if callable(weights) else weights[rows, :W].to(self.device)
                 per_tok, lm = loss_fn(logp, old, mu, batch.advantages[rows].to(self.device), w, m, **loss_kw)
                 loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, self.max_new_tokens)
                 if aux_coef:  # the router's load-balancing loss, weighted by this micro-batch's share of rows
@@ -495,7 +542,7 @@ class Learner:
                 if track:
                     self.noise.after_micro_backward(self._micro_units(batch, shares, i, per_token_units))
                 if first:
-                    logp_first[rows] = logp.detach().float().cpu() * batch.response_mask[rows]
+                    logp_first[rows, :W] = logp.detach().float().cpu() * batch.response_mask[rows, :W]
             red = self._reduce({"loss": loss_sum, "ent": ent_sum, **local})
             scale_used = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
             self.scaler.unscale_(self.opt)

@@ -292,14 +292,22 @@ def decode_path(config) -> str:
     return "fast" if config.model_type in FAST_PATH_TYPES and not _uses_window(config) else "generic"
 
 
-def model_shell(model_dir: Path):
+def model_shell(model_dir: Path, for_training: bool = False):
     """The model's modules with parameters on the meta device (shapes only, no memory, no weights
-    read): for checks that need the architecture before anything is loaded."""
+    read): for checks that need the architecture before anything is loaded, and for the ranks of a
+    sharded learner that receive their weights from rank 0 (``for_training``: fp32, the same attention
+    implementation as :func:`load_model`, eval mode)."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
+    cfg = model_config(model_dir)
+    kw = {}
+    if for_training:
+        kw = dict(dtype=torch.float32,
+                  attn_implementation="eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa")
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config(model_dir))
+        model = AutoModelForCausalLM.from_config(cfg, **kw)
+    return model.eval()
 
 
 def model_config(model_dir: Path):

