@@ -1,13 +1,14 @@
 """What exact mode costs: rollout tokens/s and the learner's forward+backward, exact vs today's.
 
-Same model, prompts and samples; the native engine's fast path against its exact path
-(one forward shared with the learner, rows padded to 12, attention over the whole
-cache), and the learner's forward+backward (autocast, chunked log-probs) against the
-exact learner's (weights cast inside the forward, the engine's layout). Measured
-alternately in this one run (best of ``--repeats``); prints JSON with the ratios
-``exact / today`` of time (goal: rollout ≤ 1.5, update ≤ 1.2).
+Same model, prompts and samples; the native engine's fast path against its exact path (one forward
+shared with the learner, every row-mixing op on fixed-size blocks of rows, attention over the whole
+cache), and the learner's forward+backward (autocast, chunked log-probs) against the exact learner's
+(weights cast inside the forward, the engine's layout), for each block size in ``--blocks`` (rows of the
+token-wise ops x query rows of attention). Measured alternately in this one run (best of
+``--repeats``); prints JSON with the ratios ``exact / today`` of time (goal: rollout ≤ 1.3, update ≤ 1.2).
 
     python benchmarks/exact_cost.py [--model builtin:tiny] [--dtypes fp32,bf16] [--batch 32] [--tokens 128]
+                                    [--blocks 16x4,32x8,8x2,64x16]
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--blocks", default="16x4,32x8,8x2,64x16")
     args = ap.parse_args()
+    from unison.exact import ExactOps
+
+    blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
     model_dir = resolve_model_dir(args.model)
     rows = []
     for name in args.dtypes.split(","):
@@ -54,29 +59,30 @@ def main() -> None:
         exact = make_engine("native", model_dir, dt, exact=True, prompt_width=width)
         params = SamplingParams(n=4, max_tokens=args.tokens, seed=0, ignore_eos=True)
         n_tok = len(prompts) * 4 * args.tokens
-        for e in (today, exact):
-            e.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
-        t_today, t_exact = [], []
-        for _ in range(args.repeats):  # alternate, so machine noise hits both
-            t_today.append(best_of(lambda: today.generate(prompts, params), 1))
-            t_exact.append(best_of(lambda: exact.generate(prompts, params), 1))
         comps = today.generate(prompts, params)
         l_today = Learner(model_dir, compute_dtype=dt, micro_batch_size=args.batch)
         l_exact = Learner(model_dir, compute_dtype=dt, exact=True, micro_batch_size=args.batch)
         b_today = collate(comps, today.pad_id)
         b_exact = collate(comps, today.pad_id, layout=(width, width + args.tokens))
-        fwd_bwd(l_today, b_today)
-        fwd_bwd(l_exact, b_exact)
-        u_today, u_exact = [], []
-        for _ in range(args.repeats):
-            u_today.append(best_of(lambda: fwd_bwd(l_today, b_today), 1))
-            u_exact.append(best_of(lambda: fwd_bwd(l_exact, b_exact), 1))
-        rows.append({"dtype": name, "responses": len(comps), "new_tokens": args.tokens,
-                     "rollout_tokens_per_s_today": round(n_tok / min(t_today), 1),
-                     "rollout_tokens_per_s_exact": round(n_tok / min(t_exact), 1),
-                     "rollout_time_exact_over_today": round(min(t_exact) / min(t_today), 2),
-                     "update_s_today": round(min(u_today), 3), "update_s_exact": round(min(u_exact), 3),
-                     "update_time_exact_over_today": round(min(u_exact) / min(u_today), 2)})
+        for block, attn in blocks:
+            exact.exact.ops = l_exact.exact.ops = ExactOps(block, attn)
+            for e in (today, exact):
+                e.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+            fwd_bwd(l_today, b_today)
+            fwd_bwd(l_exact, b_exact)
+            t_today, t_exact, u_today, u_exact = [], [], [], []
+            for _ in range(args.repeats):  # alternate, so machine noise hits both
+                t_today.append(best_of(lambda: today.generate(prompts, params), 1))
+                t_exact.append(best_of(lambda: exact.generate(prompts, params), 1))
+                u_today.append(best_of(lambda: fwd_bwd(l_today, b_today), 1))
+                u_exact.append(best_of(lambda: fwd_bwd(l_exact, b_exact), 1))
+            rows.append({"dtype": name, "block": block, "attn_block": attn, "responses": len(comps),
+                         "new_tokens": args.tokens,
+                         "rollout_tokens_per_s_today": round(n_tok / min(t_today), 1),
+                         "rollout_tokens_per_s_exact": round(n_tok / min(t_exact), 1),
+                         "rollout_time_exact_over_today": round(min(t_exact) / min(t_today), 2),
+                         "update_s_today": round(min(u_today), 3), "update_s_exact": round(min(u_exact), 3),
+                         "update_time_exact_over_today": round(min(u_exact) / min(u_today), 2)})
     print(json.dumps({"benchmark": "exact_cost", "model": str(model_dir), "threads": torch.get_num_threads(),
                       "results": rows}, indent=2))
 

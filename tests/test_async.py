@@ -66,14 +66,14 @@ def test_k2_staleness_is_bounded_by_k(tmp_path, rewards):
 
 
 def test_the_mismatch_splits_into_numerics_and_staleness(tmp_path, rewards):
-    rows = _run(tmp_path, "split", "rollout.max_staleness=1", steps=3)
+    rows = _run(tmp_path, "split", "rollout.max_staleness=1", "mismatch.decompose_every=1", steps=3)
     for r in rows[1:]:  # fp32: the numerics are rounding, the staleness is the whole mismatch
         assert r["mismatch/numeric_k3"] < 1e-9 < r["mismatch/staleness_k3"]
         assert r["mismatch/staleness_k3"] == pytest.approx(r["mismatch/k3"], rel=1e-4)
         # log π_old − log μ = (log π_old − log π_v) + (log π_v − log μ): k1 adds up exactly
         assert r["mismatch/numeric_k1"] + r["mismatch/staleness_k1"] == pytest.approx(r["mismatch/k1"], abs=1e-6)
     assert rows[0]["mismatch/staleness_k3"] == 0.0  # on-policy: nothing stale
-    bf = _run(tmp_path, "bf16", "rollout.max_staleness=1", "precision=bf16", steps=2)
+    bf = _run(tmp_path, "bf16", "rollout.max_staleness=1", "precision=bf16", "mismatch.decompose_every=1", steps=2)
     assert bf[1]["mismatch/numeric_k3"] > 1e-7  # bf16 numerics show up as such
 
 
@@ -119,14 +119,38 @@ def test_dppo_with_bypass_runs_under_staleness(tmp_path, rewards):
 
 
 # ------------------------------------------------------------------ resume and faults
-def test_resume_with_batches_in_flight_trains_nothing_twice(tmp_path, rewards):
-    full = _run(tmp_path, "full", "rollout.max_staleness=1", "checkpoint.every=2", steps=4)
-    _run(tmp_path, "part", "rollout.max_staleness=1", "checkpoint.every=2", steps=2)
-    rows = _run(tmp_path, "part", "rollout.max_staleness=1", "checkpoint.every=2", steps=4, resume=True)
+def _prompts(run, step):
+    import json
+
+    return sorted(json.loads(x)["prompt"] for x in (run / "rollouts" / f"step_{step:06d}.jsonl").open())
+
+
+@pytest.mark.parametrize("dapo", [False, True])
+def test_resume_with_batches_in_flight_trains_nothing_twice(tmp_path, rewards, dapo):
+    sets = ["rollout.max_staleness=1", "checkpoint.every=2", "log.rollouts=true"]
+    if dapo:  # refill rounds draw prompts between the jobs submitted ahead
+        sets += ["train.drop_uniform_groups=true", "train.oversample_rounds=1", "task.truncated_reward=0"]
+    full = _run(tmp_path, "full", *sets, steps=4)
+    _run(tmp_path, "part", *sets, steps=2)
+    rows = _run(tmp_path, "part", *sets, steps=4, resume=True)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert _comparable(rows[:2]) == _comparable(full[:2])
-    # the batch in flight at the checkpoint (step 3's, version 1) was regenerated from version 2
-    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    before = set(_prompts(tmp_path / "part", 1) + _prompts(tmp_path / "part", 2))
+    after = set(_prompts(tmp_path / "part", 3) + _prompts(tmp_path / "part", 4))
+    assert not before & after  # nothing trained before the checkpoint is trained again (40 prompts: no new epoch)
+    if not dapo:
+        # the job in flight at the checkpoint is the uninterrupted run's: the same prompts (and seeds),
+        # regenerated from version 2 (the checkpoint's) instead of version 1; with DAPO the regenerated
+        # samples decide which groups are dropped and refilled, so only the job itself is the same
+        assert _prompts(tmp_path / "part", 3) == _prompts(tmp_path / "full", 3)
+        assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_step_without_an_update_does_not_stall_an_engine_running_ahead(tmp_path, rewards):
+    (tmp_path / "flat.py").write_text("def reward(response, item):\n    return 0.0\n")
+    rows = _run(tmp_path, "flat", "rollout.max_staleness=1", "task.reward=flat:reward",
+                "train.drop_uniform_groups=true", steps=3)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["data/dropped_groups"] == 4 for r in rows)
 
 
 def test_a_killed_worker_stops_the_run_in_one_line_and_resume_continues(tmp_path, rewards):
@@ -212,6 +236,15 @@ def test_server_requests_run_ahead_and_syncs_wait_between_batches(tmp_path, rewa
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
     assert stub.reloads == 3 and set(stub.pause_modes) == {"wait"}
+
+
+def test_a_resumed_server_run_keeps_its_versions(tmp_path, rewards, tiny_dir):
+    with _stub(tiny_dir) as stub:
+        Trainer(_server_cfg(stub.url, "train.steps=2"), tmp_path / "r", log=lambda m: None).fit()
+        Trainer(_server_cfg(stub.url, "train.steps=5"), tmp_path / "r", resume=True, log=lambda m: None).fit()
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["staleness/dropped"] == 0 and r["staleness/max"] <= 1 for r in rows)
 
 
 def test_server_drop_policy_syncs_in_flight_and_drops_what_is_too_stale(tmp_path, rewards, tiny_dir):

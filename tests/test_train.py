@@ -231,3 +231,14 @@ def test_token_budget_groups_rows_by_length_within_both_limits():
     # longest first: 9 (+8 would be 2 x 9 = 18 > 16), 8+7 (2 x 8 = 16), 5+3+3 (3 x 5 = 15), 2+1
     assert [[lens[i] for i in g] for g in groups] == [[9], [8, 7], [5, 3, 3], [2, 1]]
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))  # every row exactly once
+
+
+def test_packed_micro_batches_equal_padded_ones_within_fp32_rounding(tmp_path):
+    extra = ["train.steps=2", "rollout.max_new_tokens=8", "train.mini_batches=2", "train.micro_batch_tokens=60"]
+    _, padded = _run(tmp_path, "padded", extra, 2)
+    _, packed = _run(tmp_path, "packed", extra + ["train.packing=true"], 2)
+    a, b = read_metrics(padded / "metrics.jsonl"), read_metrics(packed / "metrics.jsonl")
+    for x, y in zip(a, b):
+        assert x["reward/mean"] == y["reward/mean"]
+        for k in ("policy/loss", "optim/grad_norm", "mismatch/k3", "policy/entropy"):
+            assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-9), k

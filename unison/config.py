@@ -192,6 +192,11 @@ class TrainConfig(_Section):
     #: whatever the response lengths; null = micro_batch_size rows at the whole batch's width (the
     #: numerics of unison ≤ 0.1 before this key). Ignored in exact mode (its layout is fixed)
     micro_batch_tokens: int | None = Field(4096, ge=1)
+    #: padding-free packing: the responses of a micro-batch back to back in one row, positions restarted,
+    #: attention kept within each (Hugging Face's packed-sequence mask). On CPUs the block-diagonal mask
+    #: makes attention quadratic in the packed length (benchmarks/packing.py measures it); meant for GPUs
+    #: with a varlen attention kernel (untested). MoE models and exact mode keep padded rows
+    packing: bool = False
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -329,8 +334,8 @@ class MismatchConfig(_Section):
     #: every N steps, split the mismatch of off-policy samples into numerics and staleness
     #: (``mismatch/numeric_k3``: μ vs the learner under the weights that generated the sample;
     #: ``mismatch/staleness_k3``: those weights vs π_old) — one extra score pass per older version in
-    #: the batch; 0 = off. Free when every sample is on-policy (max_staleness 0)
-    decompose_every: int = Field(1, ge=0)
+    #: the batch (≈ one forward more on that step); 0 = off. Free when every sample is on-policy
+    decompose_every: int = Field(10, ge=0)
 
 
 class LogConfig(_Section):

@@ -302,7 +302,8 @@ def _shapes(fwd: ExactForward, K: int) -> dict:
     cfg = fwd.lm.config
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     hd, nh, nkv = fwd.head_dim, fwd.n_heads, fwd.n_kv
-    return {"linear": sorted({(H, (nh + 2 * nkv) * hd), (nh * hd, H), (H, 2 * I), (I, H)}),
+    return {"linear": sorted({(H, (nh + 2 * nkv) * hd, fwd.bias), (nh * hd, H, False), (H, 2 * I, False),
+                              (I, H, False)}),
             "rms_norm": sorted({H, hd} if fwd.qk_norm else {H}), "attention": (nh, hd, K), "log-softmax": (H, V)}
 
 
@@ -322,13 +323,14 @@ def _check_ops(ops: ExactOps, shapes: dict, dtype: torch.dtype, gen: torch.Gener
         return torch.randn(*shape, generator=gen).to(dtype)
 
     name = str(dtype).removeprefix("torch.")
-    for n_in, n_out in shapes["linear"]:
+    for n_in, n_out, bias in shapes["linear"]:
         w, x = rnd(n_out, n_in) * n_in ** -0.5, rnd(3 * R + 5, n_in)
-        whole = ops.linear(x, w)
-        if not _roll_equal(lambda t: F.linear(t, w), x[:R], shifts) or \
-                not torch.equal(ops.linear(x[R + 3:R + 4], w), whole[R + 3:R + 4]) or \
-                not torch.equal(ops.linear(x[:7], w), whole[:7]):
-            return f"matmul, {name}, [{R}, {n_in}] x [{n_in}, {n_out}]"
+        b = rnd(n_out) if bias else None
+        whole = ops.linear(x, w, b)
+        if not _roll_equal(lambda t: F.linear(t, w, b), x[:R], shifts) or \
+                not torch.equal(ops.linear(x[R + 3:R + 4], w, b), whole[R + 3:R + 4]) or \
+                not torch.equal(ops.linear(x[:7], w, b), whole[:7]):
+            return f"matmul{' with bias' if bias else ''}, {name}, [{R}, {n_in}] x [{n_in}, {n_out}]"
     for H in shapes["rms_norm"]:
         g = rnd(H)
         if not _roll_equal(lambda t: rms_norm(t, g, 1e-6), rnd(R, H), shifts):

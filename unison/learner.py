@@ -101,20 +101,24 @@ class PolicyForward(torch.nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.last_aux_loss: torch.Tensor | None = None
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None = None,
                 temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, return_entropy: bool = False,
-                cast_to: torch.dtype | None = None):
+                cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None):
+        """``attention_mask`` None with ``position_ids`` restarting at 0: several sequences packed in one
+        row (Hugging Face keeps attention within each); ``positions`` then marks what to score."""
         if cast_to is not None:  # run on parameters cast to ``cast_to`` (gradients reach the originals)
             params = {n: p.to(cast_to) for n, p in self.named_parameters()}
             return torch.func.functional_call(self, params, (tokens, attention_mask, positions, temperature,
-                                                             chunk, return_entropy))
+                                                             chunk, return_entropy, None, position_ids))
         B, L = tokens.shape
         aux = self.aux_loss_coef > 0 and torch.is_grad_enabled()
         kwargs = {"output_router_logits": True} if aux else {}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
         out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **kwargs)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         self.last_aux_loss = _load_balancing_loss(self.lm, out.router_logits, attention_mask) if aux else None
-        sel = attention_mask[:, 1:].bool()
+        sel = attention_mask[:, 1:].bool() if attention_mask is not None else torch.ones_like(tokens[:, 1:], dtype=torch.bool)
         if positions is not None:
             sel = sel & positions[:, 1:].bool()
         hs, tg = h[:, :-1][sel], tokens[:, 1:][sel]
@@ -155,7 +159,7 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, compute_dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", return_entropy: bool = False,
                    positions: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                   cast_to: torch.dtype | None = None):
+                   cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None):
     """log π(tokens[:, t] | tokens[:, <t]) for every position, aligned with ``tokens``.
 
     ``model`` is a Hugging Face causal LM or a :class:`PolicyForward`. Position
@@ -168,11 +172,14 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     of the next-token distribution at each position, aligned the same way.
     """
     fwd = model if isinstance(model, PolicyForward) else PolicyForward(model)
-    tokens, attention_mask = tokens.to(device), attention_mask.to(device)
+    tokens = tokens.to(device)
+    attention_mask = attention_mask.to(device) if attention_mask is not None else None
     if positions is not None:
         positions = positions.to(device)
+    if position_ids is not None:
+        position_ids = position_ids.to(device)
     with autocast(device, compute_dtype):
-        logp, ent = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to)
+        logp, ent = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to, position_ids)
     return (logp, ent) if return_entropy else logp
 
 
@@ -244,7 +251,8 @@ class Learner:
                  device: str = "cpu", temperature: float = 1.0, dist: Dist | None = None,
                  param_dtype: str = "fp32", micro_batch_size: int = 16, logprob_chunk: int = DEFAULT_CHUNK,
                  routing_replay: bool = False, aux_loss_coef: float = 0.0, lora_cfg=None, exact: bool = False,
-                 activation_checkpointing: bool = False, micro_batch_tokens: int | None = None):
+                 activation_checkpointing: bool = False, micro_batch_tokens: int | None = None,
+                 packing: bool = False):
         self.model_dir = Path(model_dir)
         self.dist = dist or current()
         self.device = self.dist.device if self.dist.enabled else torch.device(device)
@@ -253,6 +261,8 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         #: token budget of a micro-batch (rows × its own longest row); None: micro_batch_size rows
         self.micro_batch_tokens = micro_batch_tokens
+        #: several responses per row without padding (train.packing; MoE models keep their padded rows)
+        self.packing = packing
         self.logprob_chunk = logprob_chunk
         #: under torchrun only rank 0 reads the weights; the others build the model on the meta device and
         #: receive their shards from rank 0 after sharding (one host copy per job, not one per rank)
@@ -323,7 +333,7 @@ class Learner:
                    micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk,
                    routing_replay=cfg.moe.routing_replay, aux_loss_coef=cfg.moe.aux_loss_coef, lora_cfg=cfg.lora,
                    exact=cfg.exact, activation_checkpointing=t.activation_checkpointing,
-                   micro_batch_tokens=t.micro_batch_tokens)
+                   micro_batch_tokens=t.micro_batch_tokens, packing=t.packing)
         self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.params = [p for p in self.forward_module.parameters() if p.requires_grad]
@@ -342,6 +352,31 @@ class Learner:
         return self
 
     # ---------------------------------------------------------------- forward
+    def _numerics(self):
+        """(autocast dtype, parameter cast) of the learner's forward: fp32 parameters under autocast,
+        or parameters cast to the compute dtype (FSDP2 casts itself when sharded)."""
+        if not self.cast_params:
+            return self.compute_dtype, None
+        return torch.float32, (None if self.sharded else self.compute_dtype)
+
+    def _packed_forward(self, batch: RolloutBatch, rows: torch.Tensor, W: int, return_entropy: bool):
+        """``train.packing``: the micro-batch's rows without their padding, one after another in a single
+        row, positions restarting at each; log π scattered back into the [rows, W] layout."""
+        lens = batch.attention_mask[rows, :W].sum(-1)
+        keep = torch.arange(W)[None, :] < lens[:, None]
+        tokens = batch.tokens[rows, :W][keep][None]
+        pos = (keep.long().cumsum(-1) - 1)[keep][None]
+        resp = batch.response_mask[rows, :W][keep][None]
+        dt, cast = self._numerics()
+        lp, ent = token_logprobs(self.forward_module, tokens, None, self.temperature, dt, self.device,
+                                 return_entropy=True, positions=resp, chunk=self.logprob_chunk, cast_to=cast,
+                                 position_ids=pos)
+        keep = keep.to(lp.device)
+        out = torch.zeros((len(rows), W), dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp[0])
+        if not return_entropy:
+            return out
+        return out, torch.zeros_like(out).masked_scatter(keep, ent[0])
+
     def _width(self, batch: RolloutBatch, rows: torch.Tensor) -> int:
         """The columns a micro-batch needs: its own longest row (right-padded layout), or the whole
         layout (exact mode, and when micro-batches are counted in rows: today's numerics)."""
@@ -362,14 +397,11 @@ class Learner:
                                        self.logprob_chunk, return_entropy)
             return (lp, ent) if return_entropy else lp
         W = self._width(batch, rows)
+        if self.packing and not self.moe:
+            return self._packed_forward(batch, rows, W, return_entropy)
         args = (batch.tokens[rows, :W], batch.attention_mask[rows, :W], self.temperature)
         kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.logprob_chunk)
-        if not self.cast_params:
-            dt, kw["cast_to"] = self.compute_dtype, None
-        elif self.sharded:  # FSDP2 all-gathers the parameters in the compute dtype
-            dt, kw["cast_to"] = torch.float32, None
-        else:  # one process: the same cast, differentiable back to the fp32 masters
-            dt, kw["cast_to"] = torch.float32, self.compute_dtype
+        dt, kw["cast_to"] = self._numerics()
         if not self.moe:
             return token_logprobs(self.forward_module, *args, dt, self.device, **kw)
         from unison import moe
@@ -429,8 +461,8 @@ class Learner:
             params = dict(self.model.named_parameters())
             saved = {n: params[n].data for n in weights}
             try:
-                for n, w in weights.items():
-                    params[n].data = w.view(params[n].shape)
+                for n, w in weights.items():  # views of the host ring; a copy only on another device
+                    params[n].data = w.view(params[n].shape).to(params[n].device)
                 return self.score(batch)
             finally:
                 for n, d in saved.items():

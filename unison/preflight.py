@@ -85,9 +85,6 @@ def _check_async_settings(cfg: Config) -> None:
         if cfg.vllm.weight_sync == "nccl":
             raise UnisonError(f"rollout.max_staleness={K} with vllm.weight_sync=nccl: the NCCL transfer reads the "
                               f"learner while it trains; use vllm.weight_sync=disk")
-    if cfg.mismatch.decompose_every and under_torchrun():
-        raise UnisonError("mismatch.decompose_every scores with older weights in one process: set "
-                          "mismatch.decompose_every=0 under torchrun")
 
 
 def check_data(cfg: Config, task, world_size: int) -> None:

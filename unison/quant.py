@@ -131,8 +131,19 @@ def targets(model: torch.nn.Module) -> list[Target]:
             elif kind == "Conv1D" and pname == "weight":  # GPT-2: weight [in, out]
                 out.append(Target(full, 0))
             elif kind.endswith("Experts") and p.dim() == 3:  # [experts, out, in], used as F.linear(x, W[e])
+                hidden = getattr(model.config, "hidden_size", None)
+                if hidden is not None and not _linear_layout(pname, p.shape, hidden):
+                    raise UnisonError(f"rollout.quantization: '{full}' has shape {tuple(p.shape)}, not the "
+                                      f"[experts, out, in] layout unison knows: set rollout.quantization=none for "
+                                      f"{type(model).__name__}")
                 out.append(Target(full, -1))
     return out
+
+
+def _linear_layout(name: str, shape, hidden: int) -> bool:
+    """A fused expert tensor in the [experts, out, in] layout of transformers' Qwen3-MoE / Mixtral / OLMoE:
+    gate_up maps the hidden size in, down maps it out."""
+    return shape[-1] == hidden if "down" not in name else shape[-2] == hidden
 
 
 def check_targets(model: torch.nn.Module, fmt: str, group_size: int) -> list[Target]:

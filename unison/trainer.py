@@ -129,6 +129,9 @@ class Trainer:
         if warning:
             self.log(f"[train] WARNING {warning}")
         ahead = f", engine up to {r.max_staleness} versions ahead ({r.stale_policy})" if r.max_staleness else ""
+        if r.max_staleness and cfg.mismatch.decompose_every and not self.learner.can_score_other_weights:
+            self.log("[train] the split of the mismatch into numerics and staleness scores with older weights in one "
+                     "process without LoRA: it is off here (mismatch/k3 is still logged)")
         self.log(f"[train] {self.task.name}: {len(self.task.train)} training prompts, {len(self.task.eval)} eval; "
                  f"{t.prompts_per_step} prompts x {r.n} samples per step, {t.steps} steps; "
                  f"precision {self.prec.label}"
@@ -161,8 +164,10 @@ class Trainer:
         t0 = time.perf_counter()
         old = self._old_logp(batch, step)                              # 3. which log π is π_old
         t_score = time.perf_counter() - t0
-        weights, cmetrics = (self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)   # 4.
-                             if batch.logp_old is not None else (lambda o, mu, m: self.correct(o, mu, m)[0], {}))
+        if batch.logp_old is not None:                                 # 4. correction weights, once
+            weights, cmetrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)
+        else:                                                          #    or per micro-batch of π_old
+            weights, cmetrics = (lambda o, mu, m: self.correct(o, mu, m)[0]), {}
         lr = self.schedule.lr(step + 1)
         self.source.sleep()
         t0 = time.perf_counter()
@@ -208,6 +213,8 @@ class Trainer:
         self.log(f"[train] step {metrics['step']}: {why}; no update")
         metrics["reward/trained_mean"] = float("nan")
         self._watch_signal(metrics, None)
+        # the weights did not change, but they are version step + 1 now: an engine running ahead waits for it
+        metrics.update(self.source.publish(self.learner, metrics["step"]))
         return self._finish_step(metrics, t_step, 0)
 
     def _finish_step(self, metrics: dict, t_step: float, tokens: int) -> dict:
@@ -232,8 +239,10 @@ class Trainer:
             logp_pi = stats.logp_first
             if self.anchor == "fused":
                 batch.logp_old = logp_pi
-            if not cmetrics:
-                _, cmetrics = self.correct(logp_pi[rows], batch.logp_mu[rows], mask[rows])
+            if not cmetrics:  # the weights the first mini-batch applied (loglinear: π_prox at its α)
+                old = OldLogp(self.anchor, None, batch.version, step, self.cfg.train.mini_batches)
+                prox = old(rows, logp_pi[rows], batch.logp_mu[rows], 0) if self.anchor == "loglinear" else logp_pi[rows]
+                _, cmetrics = self.correct(prox, batch.logp_mu[rows], mask[rows])
         mm = mismatch_metrics(logp_pi[rows], batch.logp_mu[rows], mask[rows])
         if self.layout is not None and mm["mismatch/identical_fraction"] < 1.0:
             from unison.exact import divergence_report
@@ -411,7 +420,7 @@ class Trainer:
             state = {"step": self.step, "world_size": d.world_size, "learner": self.learner.state_dict(),
                      "schedule": self.schedule.state_dict(), "sampler": self.source.state_dict()["sampler"],
                      "grad_noise": self.noise.state_dict(), "reward_errors": self.reward_errors,
-                     "failed_reward_steps": self.failed_reward_steps}
+                     "failed_reward_steps": self.failed_reward_steps, "source": self.source.state_dict()}
             torch.save(state, tmp / "trainer_state.pt")
             ckpt.publish(tmp, final, self.cfg.checkpoint.keep)
         d.barrier()
@@ -452,7 +461,7 @@ class Trainer:
         self.learner.load_state_dict(state["learner"])
         self.schedule.load_state_dict(state["schedule"])
         self.noise.load_state_dict(state["grad_noise"])
-        self.source.load_state_dict({"sampler": state["sampler"]})
+        self.source.load_state_dict(state.get("source") or {"sampler": state["sampler"]})
         self.reward_errors = state.get("reward_errors", 0)
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
         rng = ck / f"rng_rank{self.dist.rank}.pt"

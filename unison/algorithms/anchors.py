@@ -20,7 +20,9 @@ matters, and every option is a published one:
   weights this step started from, and v_θ = t + i/m for mini-batch i of m (the current
   weights have taken i of this step's m optimizer steps). So the first mini-batch (i = 0,
   θ = θ_old) gets log π_prox = log π_θ exactly for stale samples, and later mini-batches
-  interpolate. (AReaL writes v_prox = current − 1 with its version counter one ahead of ours.)
+  interpolate. **A variant of AReaL's**: AReaL reads the current version once per step and
+  sets v_prox = current − 1, so its α is one number for all the step's mini-batches; ours
+  follows the weights through the mini-batches, which makes the first one exact.
 """
 
 from __future__ import annotations

@@ -34,9 +34,11 @@ PRESETS: dict[str, dict] = {
     # DPPO-Binary-TV (prime-rl's default): mask a token once π − π_old leaves ±0.2 in the advantage's
     # direction, ratio-weighted policy gradient elsewhere, + 1e-3·(log π − log π_old)²; with
     # policy.anchor=bypass π_old is μ, as in prime-rl
-    "dppo_tv": dict(_PG, loss="dppo_tv", clip=0.2, clip_high=0.2, kl_tau=1e-3),
+    # (the ratio weight capped at 20, verl's clip_ratio_c fallback: prime-rl has no cap, and off-policy data
+    # can make π/μ unbounded where μ is tiny)
+    "dppo_tv": dict(_PG, loss="dppo_tv", clip=0.2, clip_high=0.2, kl_tau=1e-3, loss_c=20.0),
     # DPPO-Binary-KL (verl dppo_kl): the band on the Bernoulli KL, δ = 0.05
-    "dppo_kl": dict(_PG, loss="dppo_kl", clip=0.05, clip_high=0.05),
+    "dppo_kl": dict(_PG, loss="dppo_kl", clip=0.05, clip_high=0.05, loss_c=20.0),
 }
 
 _POLICY_KEYS = ("advantage", "loss", "correction", "correction_c", "correction_c_low", "veto_threshold",

@@ -82,6 +82,7 @@ class Job:
     #: in flight restores this, so that a resumed run draws the same prompts again)
     sampler_before: dict
     version: int | None = None  # the weights it must be generated with (None: the newest)
+    id: int = 0  # the backend's handle on it
 
 
 @dataclass
@@ -119,6 +120,7 @@ class RolloutSource:
         cfg, r = self.cfg, self.cfg.rollout
         P = cfg.train.prompts_per_step
         out = Rollout([], [], [])
+        t_start = time.perf_counter()
         t_wait = t_gen = t_idle = 0.0
         while True:
             job = self._job(step, out.rounds)
@@ -157,7 +159,8 @@ class RolloutSource:
                 break
         if len(out.completions) > P * r.n:  # oversampling overshot: train on the configured batch (whole groups)
             out.completions, out.rewards = out.completions[:P * r.n], out.rewards[:P * r.n]
-        out.timings = {"time/rollout_s": t_wait, "time/generate_s": t_gen, "time/learner_idle_s": t_wait}
+        out.timings = {"time/rollout_s": time.perf_counter() - t_start, "time/generate_s": t_gen,
+                       "time/learner_idle_s": t_wait}
         if self.max_staleness:
             out.timings["time/engine_idle_s"] = t_idle
         return out
@@ -250,9 +253,11 @@ class AheadSource(RolloutSource):
         super().__init__(backend, task, reward, tokenizer, prompt_ids, cfg, dist)
         self.max_staleness = cfg.rollout.max_staleness
         self.wait = cfg.rollout.stale_policy == "wait"
+        self.floor = 0  # after a resume, no older version than the checkpoint's exists
         self.inflight: deque[Job] = deque()
         self.next_job = 0  # the step of the next round-0 job to submit
         self._jobs = 0
+        self._restored: list[Job] = []  # jobs that were in flight at the checkpoint a run resumed from
 
     def next(self, step: int) -> Rollout:
         self._fill(step)
@@ -263,8 +268,8 @@ class AheadSource(RolloutSource):
         K = self.max_staleness
         while self.next_job <= step + K:
             j = self.next_job
-            job = super()._job(j, 0)
-            job.version = max(0, j - K) if self.wait else None
+            job = self._restored.pop(0) if self._restored and self._restored[0].step == j else super()._job(j, 0)
+            job.version = max(0, j - K, self.floor) if self.wait else None
             self._submit(job)
             self.next_job += 1
 
@@ -280,7 +285,7 @@ class AheadSource(RolloutSource):
         if round_ == 0:
             return next(j for j in self.inflight if j.step == step and j.round == 0)
         job = super()._job(step, round_)
-        job.version = step if self.wait else None
+        job.version = max(step, self.floor) if self.wait else None
         self._submit(job)
         return job
 
@@ -306,12 +311,13 @@ class AheadSource(RolloutSource):
         return self.backend.weights(version)
 
     def resume(self, learner, step: int) -> None:
-        """Batches in flight at the checkpoint were lost with the process: they are regenerated from
-        the checkpoint's weights (version ``step``), so the first K batches after a resume are fresher
-        than the run would have trained on; nothing is trained twice or skipped."""
+        """Batches in flight at the checkpoint were lost with the process: the same jobs (prompts and
+        seeds, recorded in the checkpoint) are generated again from the checkpoint's weights (version
+        ``step``: the older ones are not kept), so the first K batches after a resume are fresher than
+        the run would have trained on; nothing is trained twice or skipped."""
+        self.floor = step
         self.backend.publish(learner, step)
         self.next_job = step
-        self.backend.floor = step
 
     def sleep(self) -> None:
         """The engine runs beside the learner: nothing to free."""
@@ -320,8 +326,18 @@ class AheadSource(RolloutSource):
         pass
 
     def state_dict(self) -> dict:
-        """The sampler as it was before the oldest untrained job drew its prompts."""
-        return {"sampler": self.inflight[0].sampler_before if self.inflight else self.sampler.state_dict()}
+        """The sampler where the run left it, and the round-0 jobs in flight (not trained on yet);
+        ``sampler`` alone, for older readers, is its state before the oldest of them drew."""
+        jobs = [j for j in self.inflight if j.round == 0]
+        return {"sampler": jobs[0].sampler_before if jobs else self.sampler.state_dict(),
+                "sampler_now": self.sampler.state_dict(),
+                "inflight": [{"step": j.step, "prompts": list(j.prompts), "seed": j.seed} for j in jobs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "inflight" not in state:  # written by the synchronous source, or by an older unison
+            return super().load_state_dict(state)
+        self.sampler.load_state_dict(state["sampler_now"])
+        self._restored = [Job(j["step"], 0, j["prompts"], j["seed"], state["sampler"]) for j in state["inflight"]]
 
     def close(self) -> None:
         self.backend.close()
@@ -343,11 +359,12 @@ class NativeWorkerBackend:
         spec = WorkerSpec(str(model_dir), dtype, device, r.quantization, r.quant_group_size, threads,
                           dist.rank, dist.world_size)
         shapes = [(n, tuple(t.shape)) for n, t in learner.export_weights(None)]
+        check_shared_memory(shapes, r.max_staleness + 1)
         self.worker = EngineWorker(spec, shapes, slots=r.max_staleness + 1)
         self.pad_id, self.eos_ids = self.worker.pad_id, self.worker.eos_ids
         self.dp_rank, self.dp_size = dist.rank, dist.world_size
         self.dtype = dtype
-        self.floor = 0
+        self._eval = _EvalIds()
         torch.set_num_threads(self.learner_threads)
 
     def publish(self, learner, version: int) -> dict[str, float]:
@@ -358,8 +375,6 @@ class NativeWorkerBackend:
         return self.worker.ring.read(version)
 
     def submit(self, job, prompts, params, version):
-        if version is not None:
-            version = max(version, self.floor)  # after a resume, older weights are gone
         self.worker.submit(job, prompts, params, version)
 
     def collect(self, job):
@@ -367,9 +382,9 @@ class NativeWorkerBackend:
 
     def generate(self, prompts, params):
         """Generate now with the newest weights, after the jobs in flight (evaluation)."""
-        self._eval = getattr(self, "_eval", 0) - 1  # negative ids: never a training job's
-        self.worker.submit(self._eval, prompts, params, None)
-        return self.worker.collect(self._eval)[0]
+        job = self._eval.next()
+        self.worker.submit(job, prompts, params, None)
+        return self.worker.collect(job)[0]
 
     def close(self) -> None:
         self.worker.close()
@@ -390,8 +405,7 @@ class ServerBackend:
         self.pad_id, self.eos_ids = engine.pad_id, engine.eos_ids
         self.dp_rank, self.dp_size = engine.dp_rank, engine.dp_size
         self.wait = cfg.rollout.stale_policy == "wait"
-        self.floor = 0
-        self._lock = threading.Lock()
+        self._eval = _EvalIds()
         self._done: dict[int, tuple] = {}
         self._error: BaseException | None = None
         self._cv = threading.Condition()
@@ -430,10 +444,11 @@ class ServerBackend:
     def publish(self, learner, version: int) -> dict[str, float]:
         """Export now (the learner's weights of ``version``), apply in the background; the metrics of
         the newest sync that has been applied are returned (one step late)."""
+        self._raise()
         prepared = self.engine.prepare_sync(learner)
 
         def apply():
-            m = self.engine.apply_sync(prepared, in_flight=not self.wait)
+            m = self.engine.apply_sync(prepared, in_flight=not self.wait, version=version)
             with self._cv:
                 self._sync_metrics = m
 
@@ -443,14 +458,26 @@ class ServerBackend:
 
     def generate(self, prompts, params):
         """Generate now, after the jobs in flight (evaluation)."""
-        self._eval = getattr(self, "_eval", 0) - 1
-        self.submit(self._eval, prompts, params, None)
-        return self.collect(self._eval)[0]
+        job = self._eval.next()
+        self.submit(job, prompts, params, None)
+        return self.collect(job)[0]
+
+    def _raise(self) -> None:
+        """A background thread that failed stops the run at the next call, whatever the call."""
+        with self._cv:
+            e = self._error
+        if e is not None:
+            raise e if isinstance(e, UnisonError) else UnisonError(
+                f"the vLLM server's background thread failed: {type(e).__name__}: {e}")
 
     def weights(self, version: int):
         return None
 
     def submit(self, job, prompts, params, version):
+        """``version`` is implied by the order: in wait mode the syncs run on this same thread, between the
+        jobs submitted before and after them."""
+        self._raise()
+
         def gen():
             t0 = time.perf_counter()
             comps = self.engine.generate(prompts, params)
@@ -461,14 +488,12 @@ class ServerBackend:
         self._put(self._gen_q, gen)
 
     def collect(self, job):
-        with self._cv:
-            while job not in self._done:
-                if self._error is not None:
-                    e = self._error
-                    raise e if isinstance(e, UnisonError) else UnisonError(
-                        f"the vLLM generation thread failed: {type(e).__name__}: {e}")
+        while True:
+            self._raise()
+            with self._cv:
+                if job in self._done:
+                    return self._done.pop(job)
                 self._cv.wait(timeout=1.0)
-            return self._done.pop(job)
 
     def close(self) -> None:
         with self._cv:
@@ -477,6 +502,35 @@ class ServerBackend:
         for t in self._threads:
             t.join(timeout=5)
         self.engine.close()
+
+
+class _EvalIds:
+    """Job ids for generation outside the training batches (evaluation): negative, never a training job's."""
+
+    def __init__(self):
+        self.n = 0
+
+    def next(self) -> int:
+        self.n -= 1
+        return self.n
+
+
+def check_shared_memory(named_shapes, slots: int) -> None:
+    """The weight ring needs ``slots`` fp32 copies of the model in /dev/shm: refuse in one line when it
+    cannot hold them (a container's default is 64 MB) instead of failing later with SIGBUS."""
+    import math
+    import os
+
+    need = slots * 4 * sum(math.prod(s) for _, s in named_shapes)
+    try:
+        st = os.statvfs("/dev/shm")
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise UnisonError(f"rollout.max_staleness keeps {slots} fp32 copies of the weights in shared memory "
+                          f"({need / 2**30:.2f} GiB) and /dev/shm has {free / 2**30:.2f} GiB free: lower "
+                          f"rollout.max_staleness, or give the container more (docker --shm-size)")
 
 
 def _cores() -> int:

@@ -530,7 +530,7 @@ class VLLMServerEngine:
     def sync_weights(self, learner) -> dict[str, float]:
         """Move the learner's weights to the server (every rank calls; rank 0 talks to it),
         then check the server's probe log-probs against the learner's."""
-        return self.apply_sync(self.prepare_sync(learner))
+        return self.apply_sync(self.prepare_sync(learner), version=self.version + 1)
 
     def prepare_sync(self, learner) -> dict:
         """What a sync needs from the learner, taken now (every rank calls: collectives): the weights
@@ -546,14 +546,17 @@ class VLLMServerEngine:
             prepared["weights"] = weights
         return prepared
 
-    def apply_sync(self, prepared: dict, in_flight: bool = False) -> dict[str, float]:
-        """Put prepared weights on the server. ``in_flight``: requests being generated are kept
-        (paused, then continued with the new weights) instead of finished first."""
-        self.version += 1
+    def apply_sync(self, prepared: dict, in_flight: bool = False, version: int | None = None) -> dict[str, float]:
+        """Put prepared weights (the learner's ``version``) on the server. ``in_flight``: requests being
+        generated are kept (paused, then continued with the new weights) instead of finished first. The
+        engine's version changes once the server is paused: requests sent before then are labelled with the
+        old one (their first tokens are), those queued during the reload with the new one."""
+        self._pending_version = self.version + 1 if version is None else version
         if self.weight_sync == "nccl":
             self._sync_nccl(prepared["learner"])
         else:
             self._sync_disk(prepared["weights"], "keep" if in_flight else "wait")
+        self.version = self._pending_version  # every rank (rank 0 set it when the server paused)
         return self._check_probe(prepared["probe"])
 
     def _sync_disk(self, weights: dict, pause_mode: str = "wait") -> None:
@@ -575,6 +578,7 @@ class VLLMServerEngine:
             del weights
             try:
                 self._request("POST", "/pause", "pause", params={"mode": pause_mode})
+                self.version = self._pending_version
                 try:
                     self._request("POST", "/collective_rpc", "the weight reload",
                                   json={"method": "reload_weights",
@@ -615,6 +619,7 @@ class VLLMServerEngine:
                 client=HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout), source=LearnerSource())
         if self.dist.is_main:
             self._request("POST", "/pause", "pause", params={"mode": "wait"})
+        self.version = self._pending_version
         try:
             self._nccl.send_weights()
         finally:

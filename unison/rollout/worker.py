@@ -24,6 +24,7 @@ generated and the seconds it sat idle. A worker whose parent died exits within a
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import signal
@@ -43,11 +44,8 @@ class WeightRing:
     def __init__(self, named_shapes: list[tuple[str, tuple[int, ...]]], slots: int):
         self.layout, off = [], 0
         for name, shape in named_shapes:
-            n = 1
-            for d in shape:
-                n *= d
             self.layout.append((name, off, tuple(shape)))
-            off += n
+            off += math.prod(shape)
         self.numel = off
         self.bufs = [torch.zeros(off, dtype=torch.float32).share_memory_() for _ in range(slots)]
         self.versions = torch.full((slots,), -1, dtype=torch.int64).share_memory_()
@@ -82,14 +80,7 @@ class WeightRing:
         if not self.has(version):
             return None
         buf = self.bufs[version % self.slots]
-        return {n: buf[o:o + _numel(s)].view(s) for n, o, s in self.layout}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return {n: buf[o:o + math.prod(s)].view(s) for n, o, s in self.layout}
 
 
 @dataclass(frozen=True)
