@@ -152,13 +152,10 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
             raise UnisonError(f"--resume: '{cfg_path}' is damaged ({type(e).__name__}): restore it "
                               f"or start a new run") from e
         new = yaml.safe_load(new_cfg)
-        try:  # a run written by an older unison lacks newer keys: they take their defaults
-            old = yaml.safe_load(dump_config(Config.model_validate(old)))
-        except Exception:  # noqa: BLE001 - an unreadable config is compared as it is
-            pass
         old.get("train", {}).pop("steps", None)
         new.get("train", {}).pop("steps", None)
-        diffs = differences(old, new)
+        # a run written by an older unison lacks the newer keys: they take this config's values
+        diffs = [d for d in differences(old, new) if d[1] is not None or _has(old, d[0])]
         if diffs:
             shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diffs[:8])
             more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
@@ -178,6 +175,15 @@ def never_started(d: Path) -> bool:
     except UnisonError:
         has_steps = True  # damaged: someone should look at it
     return (d / "config.yaml").exists() and not has_steps and not ckpt.complete(d / "checkpoints")
+
+
+def _has(tree: dict, dotted: str) -> bool:
+    node = tree
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return True
 
 
 def differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:

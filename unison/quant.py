@@ -163,9 +163,13 @@ def check_targets(model: torch.nn.Module, fmt: str, group_size: int) -> list[Tar
     return found
 
 
-#: token k3 of each format against the learner, measured with `unison probe --quantization ...` on the
-#: built-in tiny model and SmolLM2-135M (README, "Low-precision rollout"): what the warning cites
-MEASURED_K3 = {"fp8": "FP8K3", "int8": "INT8K3", "int4": "INT4K3"}
+#: token k3 of each format against the fp32 learner, measured with `unison probe --quantization ...`
+#: (README, "Low-precision rollout"): the tiny model after its scratchpad warm start (the experiment's),
+#: and SmolLM2-135M — what the start-up warning cites
+MEASURED_K3 = {"fp8": "≈ 7e-4 (tiny model) to 2e-2 (SmolLM2-135M)", "int8": "≈ 4e-5 (tiny model) to 4e-3 (SmolLM2-135M)",
+               "int4": "≈ 3e-2 (tiny model) to 0.8 (SmolLM2-135M)"}
+#: what unison's own experiment found (docs/experiments/quantized_rollout.md)
+MEASURED_EFFECT = {"int4": "; in unison's experiment uncorrected GRPO fell from 0.81 to 0.58 training accuracy at int4"}
 
 
 def quantization_warning(fmt: str, policy: dict) -> str | None:
@@ -176,6 +180,6 @@ def quantization_warning(fmt: str, policy: dict) -> str | None:
     if fmt == "none" or policy.get("correction") != "none" or policy.get("loss") in SELF_CORRECTING:
         return None
     return (f"rollout.quantization={fmt} with policy.correction=none: {fmt} rollout weights put the "
-            f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe), where uncorrected "
-            f"GRPO is reported to degrade (verl, FlashRL); consider algo=grpo_token_tis, grpo_seq_mis or "
-            f"pg_seq_mis, or policy.correction=token_tis")
+            f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe){MEASURED_EFFECT.get(fmt, '')}, "
+            f"and peers report uncorrected GRPO degrading there (verl, FlashRL); consider algo=grpo_token_tis or gspo, "
+            f"or policy.correction=token_tis")

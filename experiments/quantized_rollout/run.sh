@@ -22,7 +22,8 @@ COMMON=(--max-prompts 64 --precisions fp32
   --set task.train_size=600 --set task.eval_size=200
   --set rollout.max_new_tokens=96 --set sft.steps=600
   --set train.steps=60 --set train.lr=1e-4 --set train.prompts_per_step=16 --set rollout.n=8
-  --set train.mini_batches=4 --set train.micro_batch_size=64 --set checkpoint.every=20)
+  --set train.mini_batches=4 --set train.micro_batch_size=64 --set checkpoint.every=20
+  --set train.micro_batch_tokens=null)  # the micro-batching these runs were measured with (64 rows at full width)
 $UNISON sanity --out "$OUT/pilot" "${COMMON[@]}" --quantization none,int8,fp8,int4 --algorithms grpo,grpo_seq_mis
 share() {  # later stages reuse the pilot's warm start and perfectible set
   mkdir -p "$1"; [ -e "$1/sft" ] || cp -r "$OUT/pilot/sft" "$1/sft"
