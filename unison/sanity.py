@@ -27,7 +27,7 @@ DEFAULTS = [
     "task.name=arithmetic", "task.digits=2", "task.train_size=2000", "task.eval_size=200",
     "rollout.n=8", "rollout.temperature=1.0", "rollout.max_new_tokens=8",
     "sft.steps=600", "sft.lr=3e-3", "sft.batch_size=64",
-    "train.steps=60", "train.lr=2e-4", "train.prompts_per_step=16", "train.mini_batches=2",
+    "train.steps=100", "train.lr=2e-4", "train.prompts_per_step=16", "train.mini_batches=2",
     "train.micro_batch_size=64", "checkpoint.every=20", "log.console=false",
 ]
 

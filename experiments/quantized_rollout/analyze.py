@@ -39,7 +39,7 @@ def parse(name: str):
 def summary(run: Path) -> dict:
     rows = read_metrics(run / "metrics.jsonl")
     rw = series(rows, "reward/mean")
-    return {"first": mean(rw[:WIN]), "last": mean(rw[-WIN:]), "best": max(x for x in ma(rw) if math.isfinite(x)),
+    return {"first": mean(rw[:WIN]), "last": mean(rw[-WIN:]), "best": max(x for x in ma(rw)[WIN - 1:] if math.isfinite(x)),  # full windows only
             "collapse": collapse_step(rw), "k3": mean(series(rows, "mismatch/k3")),
             "tis_out": mean(series(rows, "mismatch/token_rho_outside_fraction")),
             "seq_over": mean(series(rows, "mismatch/seq_rho_over_c_fraction")),

@@ -26,7 +26,8 @@ from unison.data_io import read_metrics  # noqa: E402
 ARMS = {"naive": "naive (PPO-clip around the recomputed π_old, no weight)",
         "behave": "behave (PPO-clip around μ: AReaL's naive PPO)",
         "decoupled": "decoupled (recomputed π_old + token TIS: AReaL's decoupled PPO)",
-        "dppo": "DPPO-Binary-TV around μ (prime-rl's default)"}
+        "dppo": "DPPO-Binary-TV around μ (prime-rl's default)",
+        "lowlr": "naive at a 4× smaller LR (2.5e-5)"}
 KS = (0, 1, 4)
 WIN = 10
 
@@ -34,7 +35,7 @@ WIN = 10
 def summary(run: Path) -> dict:
     rows = read_metrics(run / "metrics.jsonl")
     rw = series(rows, "reward/mean")
-    return {"first": mean(rw[:WIN]), "last": mean(rw[-WIN:]), "best": max(x for x in ma(rw) if math.isfinite(x)),
+    return {"first": mean(rw[:WIN]), "last": mean(rw[-WIN:]), "best": max(x for x in ma(rw)[WIN - 1:] if math.isfinite(x)),  # full windows only
             "collapse": collapse_step(rw), "k3": mean(series(rows, "mismatch/k3")),
             "numeric": mean(series(rows, "mismatch/numeric_k3")), "stale_k3": mean(series(rows, "mismatch/staleness_k3")),
             "staleness": mean(series(rows, "staleness/mean")), "clip": mean(series(rows, "policy/clip_fraction")),

@@ -2,9 +2,10 @@
 # Asynchronous off-policy RL (issue 18): does naive PPO degrade with staleness while the decoupled and
 # DPPO anchors hold, as AReaL reports? Paper A's sanity recipe on the scratchpad task (tiny model,
 # 60-80-token answers, SFT warm start, perfectible set, 4 mini-batches per step), the engine running
-# K in {0, 1, 4} versions ahead of the learner (stale_policy wait: batch j is sampled with exactly
-# version max(0, j - K)), 3 seeds. One command, resumable (rerun to continue):
-#   bash experiments/staleness/run.sh        (~1.5 h on 2 cores)
+# K in {0, 4} versions ahead of the learner (stale_policy wait: batch j is sampled with exactly
+# version max(0, j - K)), 3 seeds; at K = 0 the four arms are the same loss up to fp32 rounding (mu = pi_old),
+# so only the naive arm runs there. KS="0 1 4" adds K = 1. One command, resumable (rerun to continue):
+#   bash experiments/staleness/run.sh        (~1 h on 2 cores)
 # writes runs/staleness/ and docs/experiments/staleness.md (+ curves).
 #
 # Arms (the anchor is which log pi is pi_old; docs/algorithms.md):
@@ -12,6 +13,7 @@
 #   behave     grpo + policy.anchor=bypass: PPO-clip around mu itself (AReaL's "naive PPO")
 #   decoupled  grpo_token_tis: PPO-clip around the recomputed pi_old, weight min(pi_old/mu, 2) (AReaL's decoupled PPO)
 #   dppo       dppo_tv + policy.anchor=bypass (prime-rl's default DPPO-Binary-TV)
+#   lowlr      naive at a 4x smaller LR (2.5e-5; Paper B: a smaller LR suppresses the mismatch), K in {0, 4}
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 UNISON=${UNISON:-unison}
@@ -25,13 +27,16 @@ COMMON=(--max-prompts 64 --precisions fp32 --seeds 0,1,2
   --set train.mini_batches=4 --set train.micro_batch_size=64 --set checkpoint.every=20
   --set mismatch.decompose_every=5)
 SHARED=${SHARED:-runs/quantized_rollout/pilot}  # the same warm start and perfectible set, when present
-for K in 0 1 4; do
-  for ARM in naive behave decoupled dppo; do
+for K in ${KS:-0 4}; do
+  for ARM in naive behave decoupled dppo lowlr; do
+    [ "$K" = 0 ] && [ "$ARM" != naive ] && [ "$ARM" != lowlr ] && continue
+    [ "$K" = 1 ] && [ "$ARM" = lowlr ] && continue
     case $ARM in
       naive) ALGO=(--algorithms grpo) ;;
       behave) ALGO=(--algorithms grpo --set policy.anchor=bypass) ;;
       decoupled) ALGO=(--algorithms grpo_token_tis) ;;
       dppo) ALGO=(--algorithms dppo_tv --set policy.anchor=bypass) ;;
+      lowlr) ALGO=(--algorithms grpo --set train.lr=2.5e-5) ;;
     esac
     D="$OUT/K$K-$ARM"
     mkdir -p "$D"

@@ -1,0 +1,252 @@
+"""unison against TRL's GRPOTrainer on the same job: seconds per RL step and peak memory, side by side.
+
+Both sides train SmolLM2-135M-Instruct (``builtin:smollm2``, the same local directory, fp32, CPU,
+``--threads`` torch threads) on the same ``--prompts`` math problems (the first P of
+``builtin:sanity_math``, in unison's math template inside the model's chat template), ``n`` = 4 samples
+per prompt, up to 128 new tokens at temperature 1, one optimizer step per rollout batch, no reference
+model (TRL ``beta=0``), no gradient checkpointing on either side (TRL's default turns it on:
+``--trl-gradient-checkpointing`` restores it). The reward, the same function on both sides, pays for
+length (min(characters, 100) / 100): a weak model earns no task reward, and the update then still has
+real gradients. Everything else is each library's default (unison: ``algo=grpo``; TRL: its default loss).
+
+Each side runs ``--steps`` steps in a fresh process; the first step (warm-up) is not counted. Reported per
+side: mean wall seconds of the timed steps (unison: around ``Trainer.train_step``; TRL: from
+``on_step_begin`` to ``on_step_end`` of a TrainerCallback, which spans generation, scoring and the
+update), mean response length in tokens (sampling decides it: compare step times at similar lengths),
+and the child's peak RSS (``ru_maxrss``, its own or a descendant's). ``unison_speedup`` is TRL's step
+time over unison's. Prints JSON. TRL is optional and not in the project's venv: install it beside it,
+
+    pip install --no-deps --target /tmp/trlpkgs trl==1.16.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1 \\
+        dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+    PYTHONPATH=/tmp/trlpkgs python benchmarks/trl_compare.py [--prompts 8] [--steps 3] [--threads 2]
+
+(``--no-deps`` keeps torch, transformers and accelerate the venv's own.) No network: the model is a
+local directory and both children run with the Hugging Face libraries offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+INSTALL = ("pip install --no-deps --target /tmp/trlpkgs trl==1.16.0 datasets==5.2.0 pandas==3.1.1 "
+           "pyarrow==26.0.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+#: the reward both sides use: ``reward`` is unison's signature (task.reward=length_reward:reward),
+#: ``trl_reward`` TRL's (a list of completions, each a string or a list of chat messages)
+REWARD_MODULE = '''
+def reward(response, item=None):
+    return min(len(response), 100) / 100
+
+
+def trl_reward(completions, **kwargs):
+    texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
+    return [reward(t) for t in texts]
+'''
+
+#: shared by both children: the peak RSS of this process or any descendant it waited for, in GiB
+PEAK_RSS = '''
+def peak_rss_gib():
+    import resource
+    kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    return kib / 2**20
+'''
+
+UNISON_CHILD = PEAK_RSS + '''
+import json, sys, time
+import torch
+from unison.config import load_config
+from unison.trainer import Trainer
+result, out, steps, threads, sets = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+torch.set_num_threads(threads)
+t = Trainer(load_config(None, sets + [f"train.steps={steps}"]), out, log=lambda m: None)
+walls, lengths = [], []
+for _ in range(steps):
+    t0 = time.perf_counter()
+    m = t.train_step()
+    walls.append(time.perf_counter() - t0)
+    lengths.append(m["response_length/mean"])
+t.source.close()
+with open(result, "w") as f:
+    json.dump({"walls": walls, "lengths": lengths, "peak_rss_gib": peak_rss_gib(),
+               "torch_threads": torch.get_num_threads()}, f)
+'''
+
+TRL_CHILD = PEAK_RSS + '''
+import json, sys, time
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from length_reward import trl_reward
+result, out, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+torch.set_num_threads(spec["threads"])
+P, n = len(spec["prompts"]), spec["n"]
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.walls, self.lengths, self.t0 = [], [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.walls.append(time.perf_counter() - self.t0)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "completions/mean_length" in logs:
+            self.lengths.append(float(logs["completions/mean_length"]))
+
+
+tok = AutoTokenizer.from_pretrained(spec["model"])
+model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in spec["prompts"]])
+cfg = GRPOConfig(
+    output_dir=out, max_steps=spec["steps"], learning_rate=spec["lr"], use_cpu=True, bf16=False, fp16=False,
+    per_device_train_batch_size=P * n, gradient_accumulation_steps=1, num_generations=n, num_iterations=1,
+    max_completion_length=spec["max_new_tokens"], temperature=1.0, beta=0.0,
+    gradient_checkpointing=spec["gradient_checkpointing"], logging_steps=1, report_to="none",
+    save_strategy="no", disable_tqdm=True, seed=0)
+clock = StepClock()
+trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=cfg, train_dataset=data, processing_class=tok,
+                      callbacks=[clock])
+trainer.train()
+with open(result, "w") as f:
+    json.dump({"walls": clock.walls, "lengths": clock.lengths, "peak_rss_gib": peak_rss_gib(),
+               "torch_threads": torch.get_num_threads(),
+               "loss_type": cfg.loss_type, "scale_rewards": cfg.scale_rewards,
+               "generation_batch_size": cfg.generation_batch_size}, f)
+'''
+
+
+def run_child(name: str, code: str, args: list[str], work: Path) -> dict:
+    """``code`` in a fresh interpreter (the benchmark's work dir on PYTHONPATH, Hugging Face offline);
+    its result file, or exit with the tail of its log."""
+    result, log = work / f"{name}.json", work / f"{name}.log"
+    env = {**os.environ, **OFFLINE,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(work), os.environ.get("PYTHONPATH", "")) if p)}
+    with open(log, "w") as f:
+        p = subprocess.run([sys.executable, "-c", code, str(result), str(work / name), *args], stdout=f,
+                           stderr=subprocess.STDOUT, env=env, timeout=7200)
+    if p.returncode or not result.exists():
+        raise SystemExit(f"trl_compare: the {name} run failed (exit {p.returncode}), the end of {log}:\n"
+                         f"{log.read_text(errors='replace')[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def summarize(r: dict) -> dict:
+    """Mean of the timed steps (the first is warm-up) and what the child measured."""
+    walls, lengths = r["walls"][1:], r["lengths"][1:]
+    return {"step_s": round(statistics.mean(walls), 2), "steps_timed": len(walls),
+            "step_s_each": [round(w, 2) for w in walls],
+            "mean_response_tokens": round(statistics.mean(lengths), 1) if lengths else None,
+            "peak_rss_gib": round(r["peak_rss_gib"], 2), "torch_threads": r["torch_threads"]}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=8, help="P: the first P problems of builtin:sanity_math")
+    ap.add_argument("--steps", type=int, default=3, help="RL steps per side, the first one not counted")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads in each child")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--model", default="builtin:smollm2", help="a local HF directory or unison's builtin:NAME")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="keep TRL's default gradient checkpointing on (unison's default is off)")
+    args = ap.parse_args()
+    if args.steps < 2:
+        ap.error("--steps must be at least 2: the first step is warm-up and is not counted")
+    if args.n < 2:
+        ap.error("--n must be at least 2: GRPO needs a group to compute advantages")
+    if importlib.util.find_spec("trl") is None:
+        print(f"trl_compare: TRL is not importable: {INSTALL}, then run with PYTHONPATH=/tmp/trlpkgs",
+              file=sys.stderr)
+        raise SystemExit(2)
+    os.environ.update(OFFLINE)
+
+    from unison.data_io import read_jsonl, resolve_data_path
+    from unison.models import resolve_model_dir
+    from unison.tasks.math import MATH_TEMPLATE
+
+    from unison.errors import UnisonError
+
+    try:
+        model_dir = str(resolve_model_dir(args.model))
+        rows = read_jsonl(resolve_data_path("builtin:sanity_math"), {"problem": str, "answer": (str, int, float)})
+    except UnisonError as e:
+        print(f"trl_compare: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    rows = rows[:args.prompts]
+    if len(rows) < args.prompts:
+        ap.error(f"--prompts {args.prompts}: builtin:sanity_math has only {len(rows)} problems")
+    work = Path(tempfile.mkdtemp(prefix="unison-trl-compare-"))
+    (work / "length_reward.py").write_text(REWARD_MODULE)
+    with open(work / "prompts.jsonl", "w", encoding="utf-8") as f:  # unison's task file: the same P rows
+        for r in rows:
+            f.write(json.dumps({"problem": r["problem"], "answer": str(r["answer"])}) + "\n")
+    prompts = [MATH_TEMPLATE.format(problem=r["problem"]) for r in rows]  # what unison's math task builds
+
+    unison_sets = [f"model={model_dir}", "precision=fp32", "task.name=math", f"task.path={work / 'prompts.jsonl'}",
+                   "task.eval_size=0", f"train.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
+                   f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
+                   "train.mini_batches=1", f"train.lr={args.lr}", "task.reward=length_reward:reward",
+                   "task.truncated_reward=null", "log.console=false", "log.tensorboard=false",
+                   "checkpoint.every_minutes=0"]
+    trl_spec = {"model": model_dir, "prompts": prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+                "steps": args.steps, "lr": args.lr, "threads": args.threads,
+                "gradient_checkpointing": args.trl_gradient_checkpointing}
+
+    unison = run_child("unison", UNISON_CHILD, [str(args.steps), str(args.threads), *unison_sets], work)
+    trl = run_child("trl", TRL_CHILD, [json.dumps(trl_spec)], work)
+    sides = {"unison": summarize(unison), "trl": summarize(trl)}
+    print(json.dumps({
+        "benchmark": "trl_compare", "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+        "versions": {d: version(d) for d in ("unison", "trl", "torch", "transformers", "accelerate")},
+        "settings": {"model": args.model, "model_dir": model_dir, "prompts": args.prompts, "n": args.n,
+                     "max_new_tokens": args.max_new_tokens, "temperature": 1.0, "precision": "fp32",
+                     "device": "cpu", "torch_threads": args.threads, "lr": args.lr, "steps": args.steps,
+                     "warmup_steps_not_counted": 1, "reward": "min(len(response), 100) / 100",
+                     "unison": unison_sets,
+                     "trl": {"per_device_train_batch_size": args.prompts * args.n, "gradient_accumulation_steps": 1,
+                             "num_generations": args.n, "num_iterations": 1, "beta": 0.0,
+                             "gradient_checkpointing": args.trl_gradient_checkpointing,
+                             "loss_type": trl["loss_type"], "scale_rewards": trl["scale_rewards"],
+                             "generation_batch_size": trl["generation_batch_size"]}},
+        **sides,
+        "unison_speedup": round(sides["trl"]["step_s"] / sides["unison"]["step_s"], 2),
+        "work_dir": str(work),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
