@@ -14,7 +14,8 @@ COMMON=(--out "$OUT" --max-prompts 64
   --set task.train_size=600 --set task.eval_size=200
   --set rollout.max_new_tokens=96 --set sft.steps=600
   --set train.steps=60 --set train.lr=2e-4 --set train.prompts_per_step=16 --set rollout.n=8
-  --set train.mini_batches=2 --set train.micro_batch_size=64 --set checkpoint.every=20)
+  --set train.mini_batches=2 --set train.micro_batch_size=64 --set checkpoint.every=20
+  --set train.micro_batch_tokens=null)  # measured before token budgets existed
 $UNISON sanity "${COMMON[@]}" --precisions fp32,bf16,fp16 --algorithms grpo,grpo_token_tis --seeds 0,1,2
 # bf16 in exact mode (docs/exact.md): the sampler and the trainer agree bit for bit, so there is no
 # mismatch to correct; GRPO only (Token-TIS weights are all 1 there).

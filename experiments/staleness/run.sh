@@ -25,7 +25,7 @@ COMMON=(--max-prompts 64 --precisions fp32 --seeds 0,1,2
   --set rollout.max_new_tokens=96 --set sft.steps=600
   --set train.steps=60 --set train.lr=1e-4 --set train.prompts_per_step=16 --set rollout.n=8
   --set train.mini_batches=4 --set train.micro_batch_size=64 --set checkpoint.every=20
-  --set mismatch.decompose_every=5)
+  --set mismatch.decompose_every=5 --set train.micro_batch_tokens=4096)  # the budget these runs were measured with
 SHARED=${SHARED:-runs/quantized_rollout/pilot}  # the same warm start and perfectible set, when present
 for K in ${KS:-0 4}; do
   for ARM in naive behave decoupled dppo lowlr; do
