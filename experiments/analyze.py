@@ -61,6 +61,14 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def pm(xs) -> str:
+    """Mean ± sample sd over the finite values ("–" when none)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return "–"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
 def summarize(run: Path) -> dict:
     rows = read_metrics(run / "metrics.jsonl")
     rw = series(rows, "reward/mean")

@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from analyze import collapse_step, ma, mean, series  # noqa: E402
+from analyze import collapse_step, ma, mean, pm, series  # noqa: E402
 
 from unison.data_io import read_metrics  # noqa: E402
 
@@ -53,13 +53,6 @@ def summary(run: Path) -> dict:
 
 def fmt(v, f="{:.3f}"):
     return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f.format(v)
-
-
-def pm(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return "–"
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
 def load(stage_dir: Path) -> dict:

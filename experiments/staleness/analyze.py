@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from analyze import collapse_step, ma, mean, series  # noqa: E402
+from analyze import collapse_step, ma, mean, pm, series  # noqa: E402
 
 from unison.data_io import read_metrics  # noqa: E402
 
@@ -41,13 +41,6 @@ def summary(run: Path) -> dict:
             "staleness": mean(series(rows, "staleness/mean")), "clip": mean(series(rows, "policy/clip_fraction")),
             "masked": mean(series(rows, "correction/masked_fraction")),
             "wall": sum(r.get("time/step_s") or 0 for r in rows), "rows": rows}
-
-
-def pm(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return "–"
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
 def load(root: Path) -> dict:
