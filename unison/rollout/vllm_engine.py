@@ -568,8 +568,8 @@ class VLLMServerEngine:
         d = self.dist
         error = None
         if d.is_main:
-            final = self.sync_dir / f"v{self.version:06d}"
-            tmp = self.sync_dir / f".tmp-v{self.version:06d}"
+            final = self.sync_dir / f"v{self._pending_version:06d}"  # named by the version it holds
+            tmp = self.sync_dir / f".tmp-v{self._pending_version:06d}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
