@@ -574,6 +574,7 @@ class VLLMServerEngine:
             tmp.mkdir(parents=True)
             save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             shutil.copy(self.model_dir / "config.json", tmp / "config.json")
+            shutil.rmtree(final, ignore_errors=True)  # a resumed run publishes its checkpoint's version again
             os.replace(tmp, final)  # the server never sees a half-written file
             del weights
             try:
