@@ -61,6 +61,16 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def seed_curves(ax, runs: list[dict], color: str, label: str) -> None:
+    """One arm on ``ax``: each seed's 10-step mean of the training reward, faint, and their mean, bold
+    (``runs``: summaries with the metric ``rows``)."""
+    cs = [series(v["rows"], "reward/mean") for v in runs]
+    n = min(len(c) for c in cs)
+    for c in cs:
+        ax.plot(range(1, n + 1), ma(c[:n]), color=color, alpha=0.2, lw=0.8)
+    ax.plot(range(1, n + 1), ma([mean([c[j] for c in cs]) for j in range(n)]), color=color, lw=2, label=label)
+
+
 def pm(xs) -> str:
     """Mean ± sample sd over the finite values ("–" when none)."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]

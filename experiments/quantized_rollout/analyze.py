@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from analyze import collapse_step, ma, mean, pm, series  # noqa: E402
+from analyze import collapse_step, ma, mean, pm, seed_curves, series  # noqa: E402
 
 from unison.data_io import read_metrics  # noqa: E402
 
@@ -101,12 +101,7 @@ def curves(groups: dict, path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
     for ax, (panel, by_label) in zip(axes[0], groups.items()):
         for i, (label, vs) in enumerate(by_label.items()):
-            cs = [series(v["rows"], "reward/mean") for v in vs]
-            n = min(len(c) for c in cs)
-            avg = [mean([c[j] for c in cs]) for j in range(n)]
-            for c in cs:
-                ax.plot(range(1, n + 1), ma(c[:n]), color=f"C{i}", alpha=0.2, lw=0.8)
-            ax.plot(range(1, n + 1), ma(avg), color=f"C{i}", lw=2, label=label)
+            seed_curves(ax, vs, f"C{i}", label)
         ax.set_title(panel)
         ax.set_xlabel("step")
         ax.set_ylim(0, 1)

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from analyze import collapse_step, ma, mean, pm, series  # noqa: E402
+from analyze import collapse_step, ma, mean, pm, seed_curves, series  # noqa: E402
 
 from unison.data_io import read_metrics  # noqa: E402
 
@@ -83,12 +83,7 @@ def main() -> None:
             vs = [v for (k, a, s), v in sorted(runs.items()) if k == K and a == arm]
             if not vs:
                 continue
-            cs = [series(v["rows"], "reward/mean") for v in vs]
-            n = min(len(c) for c in cs)
-            for c in cs:
-                ax.plot(range(1, n + 1), ma(c[:n]), color=f"C{i}", alpha=0.2, lw=0.8)
-            ax.plot(range(1, n + 1), ma([mean([c[j] for c in cs]) for j in range(n)]), color=f"C{i}", lw=2,
-                    label=f"K = {K}")
+            seed_curves(ax, vs, f"C{i}", f"K = {K}")
         ax.set_title(arm)
         ax.set_xlabel("step")
         ax.set_ylim(0, 1)
