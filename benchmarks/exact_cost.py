@@ -4,11 +4,11 @@ Same model, prompts and samples; the native engine's fast path against its exact
 shared with the learner, every row-mixing op on fixed-size blocks of rows, attention over the whole
 cache), and the learner's forward+backward (autocast, chunked log-probs) against the exact learner's
 (weights cast inside the forward, the engine's layout), for each block size in ``--blocks`` (rows of the
-token-wise ops x query rows of attention). Measured alternately in this one run (best of
+token-wise ops x query rows of attention x rows of the output layer, 64 if not given). Measured alternately in this one run (best of
 ``--repeats``); prints JSON with the ratios ``exact / today`` of time (goal: rollout ≤ 1.3, update ≤ 1.2).
 
     python benchmarks/exact_cost.py [--model builtin:tiny] [--dtypes fp32,bf16] [--batch 32] [--tokens 128]
-                                    [--blocks 16x4,32x8,8x2,64x16]
+                                    [--blocks 16x4x64,32x8x64,8x2x8,64x16x64]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--blocks", default="16x4,32x8,8x2,64x16")
+    ap.add_argument("--blocks", default="16x4x64,32x8x64,8x2x8,64x16x64")
     args = ap.parse_args()
     from unison.exact import ExactOps
 
@@ -64,8 +64,8 @@ def main() -> None:
         l_exact = Learner(model_dir, compute_dtype=dt, exact=True, micro_batch_size=args.batch)
         b_today = collate(comps, today.pad_id)
         b_exact = collate(comps, today.pad_id, layout=(width, width + args.tokens))
-        for block, attn in blocks:
-            exact.exact.ops = l_exact.exact.ops = ExactOps(block, attn)
+        for b in blocks:
+            ops = exact.exact.ops = l_exact.exact.ops = ExactOps(*b)
             for e in (today, exact):
                 e.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
             fwd_bwd(l_today, b_today)
@@ -76,7 +76,8 @@ def main() -> None:
                 t_exact.append(best_of(lambda: exact.generate(prompts, params), 1))
                 u_today.append(best_of(lambda: fwd_bwd(l_today, b_today), 1))
                 u_exact.append(best_of(lambda: fwd_bwd(l_exact, b_exact), 1))
-            rows.append({"dtype": name, "block": block, "attn_block": attn, "responses": len(comps),
+            rows.append({"dtype": name, "block": ops.block, "attn_block": ops.attn_block,
+                         "head_block": ops.head_block, "responses": len(comps),
                          "new_tokens": args.tokens,
                          "rollout_tokens_per_s_today": round(n_tok / min(t_today), 1),
                          "rollout_tokens_per_s_exact": round(n_tok / min(t_exact), 1),

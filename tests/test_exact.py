@@ -164,11 +164,20 @@ def _fake_linear(real, rule):
     return linear
 
 
+def _use_blas(monkeypatch, linear):
+    """Make ``linear`` the machine's matmul: for F.linear and for exact mode's batched fp32 matmul (a
+    batched BLAS runs its one-matrix kernel on each block)."""
+    import unison.exact
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    monkeypatch.setattr(unison.exact, "batched_linear", lambda x3, w, b=None: torch.stack([linear(x, w, b) for x in x3]))
+
+
 def test_a_blas_that_changes_with_the_row_count_keeps_exact_mode_exact(tiny_dir, monkeypatch):
     """Calls of more than 64 rows take another kernel (as MKL/oneDNN do by shape): the learner's forward
     over the whole batch would differ from the engine's decode step — blocks of fixed size do not."""
     real = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", _fake_linear(real, lambda x: x.shape[0] > 64))
+    _use_blas(monkeypatch, _fake_linear(real, lambda x: x.shape[0] > 64))
     engine, learner = _engine_and_learner(tiny_dir)
     assert _agree(engine, learner)
     # the old rule (pad every matmul to >= 12 rows, one call for all rows) breaks on it
@@ -189,7 +198,7 @@ def test_the_self_check_picks_a_block_this_blas_is_invariant_for(tiny_dir, monke
             y = torch.cat([y[:12], _fake_linear(real, lambda _: True)(x[12:], w, b)])
         return y
 
-    monkeypatch.setattr(torch.nn.functional, "linear", edge)
+    _use_blas(monkeypatch, edge)
     engine, learner = _engine_and_learner(tiny_dir)
     ops = self_check(learner.exact, [torch.float32], WIDTH + 8)
     assert ops.block == 8
@@ -201,9 +210,8 @@ def test_a_blas_no_block_helps_is_refused_in_one_line(tiny_dir, monkeypatch):
     from unison.exact import self_check
 
     real = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda x, w, b=None: real(x, w, b) + (torch.arange(x.shape[0]) % 2)[:, None] * 1e-3
-                        if x.dim() == 2 else real(x, w, b))
+    _use_blas(monkeypatch, lambda x, w, b=None: real(x, w, b) + (torch.arange(x.shape[0]) % 2)[:, None] * 1e-3
+              if x.dim() == 2 else real(x, w, b))
     _, learner = _engine_and_learner(tiny_dir)
     with pytest.raises(UnisonError, match=r"exact mode cannot hold on this CPU: matmul, float32, \[16, 128\] x "
                                           r"\[128, \d+\] gives a row different bits"):
@@ -272,3 +280,34 @@ def test_an_exact_probe_row_that_is_not_identical_is_a_failure(tmp_path, monkeyp
     out = capsys.readouterr()
     assert code == 1 and "FAILED" in out.out
     assert "unison: error: exact mode failed for fp32: only" in out.err
+
+
+def test_the_exact_learner_s_gradient_is_the_models_own(tiny_dir):
+    """The exact forward's values come from fixed-size blocks, its gradient from one call over all rows
+    (hand-written for matmuls, recomputed for norms, attention and the output layer): in fp32 it must be
+    autograd's gradient of the Hugging Face model on the same tokens, to rounding — and with blocks of
+    another size as well."""
+    from unison.exact import ExactOps
+
+    def grads(learner, batch):
+        learner.model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            logp, _ = learner._forward(batch, torch.arange(batch.size), return_entropy=True)
+            (-(logp * batch.response_mask).sum()).backward()
+        return {n: p.grad.clone() for n, p in learner.model.named_parameters()}
+
+    engine = make_engine("native", tiny_dir, torch.float32, exact=True, prompt_width=WIDTH)
+    tok = engine.tokenizer
+    comps = engine.generate([tok(p)["input_ids"] for p in ("12+", "7+8=", "abc")],
+                            SamplingParams(n=2, max_tokens=6, seed=1))
+    exact, today = Learner(tiny_dir, exact=True), Learner(tiny_dir)
+    g_exact = grads(exact, collate(comps, engine.pad_id, layout=(WIDTH, WIDTH + 6)))
+    g_today = grads(today, collate(comps, engine.pad_id))
+    exact.exact.ops = ExactOps(8, 2)
+    g_other = grads(exact, collate(comps, engine.pad_id, layout=(WIDTH, WIDTH + 6)))
+    assert set(g_exact) == set(g_today)
+    for n in g_exact:
+        scale = g_today[n].abs().max().item()
+        assert scale > 0, n  # every parameter gets a gradient (the head, the norms, the embeddings)
+        assert torch.allclose(g_exact[n], g_today[n], rtol=1e-4, atol=1e-5 * scale), n
+        assert torch.allclose(g_other[n], g_exact[n], rtol=1e-4, atol=1e-5 * scale), n
