@@ -189,10 +189,11 @@ class TrainConfig(_Section):
     #: token budget of a micro-batch (verl's ppo_max_token_len_per_gpu): rows are grouped by length,
     #: longest first, into micro-batches of at most this many tokens (rows × the micro-batch's own
     #: longest row, to which it is cut) and at most micro_batch_size rows. Bounds the activation memory
-    #: whatever the response lengths (1024: SmolLM2's fp32 update peaks at 6.2 GiB instead of 13.5 at 4096, no
-    #: slower: benchmarks/trl_compare.py); null = micro_batch_size rows at the whole batch's width (the
-    #: numerics of unison ≤ 0.1 before this key). Ignored in exact mode (its layout is fixed)
-    micro_batch_tokens: int | None = Field(1024, ge=1)
+    #: whatever the response lengths (SmolLM2, fp32, 8 × 4 × 128 tokens: the run peaks at 5.4 GiB at 512,
+    #: 6.4 at 1024, 13.5 at 4096, step times within noise: benchmarks/trl_compare.py and README). GPUs have
+    #: the memory for far more (verl sizes it per GPU, e.g. 16384). null = micro_batch_size rows at the whole
+    #: batch's width (the numerics of unison ≤ 0.1 before this key). Ignored in exact mode (its layout is fixed)
+    micro_batch_tokens: int | None = Field(512, ge=1)
     #: padding-free packing: the responses of a micro-batch back to back in one row, positions restarted,
     #: attention kept within each (Hugging Face's packed-sequence mask). On CPUs the block-diagonal mask
     #: makes attention quadratic in the packed length (benchmarks/packing.py measures it); meant for GPUs
