@@ -156,12 +156,12 @@ class ExactOps:
                 return batched_linear(x2.view(-1, R, x2.shape[-1]), *params).flatten(0, 1)[:m]
             return torch.cat([fn(x2[i:i + R], *params) for i in range(0, m + pad, R)])[:m]
 
-    def rows(self, fn, x: torch.Tensor, *params) -> torch.Tensor:
+    def rows(self, fn, x: torch.Tensor, *params, R: int | None = None) -> torch.Tensor:
         """``fn(rows, *params)`` applied to ``x``'s rows (all leading dims flattened) in blocks of exactly
-        ``block`` rows (the last one zero-padded); ``fn`` must act row by row."""
+        ``R`` rows (``block`` if not given; the last one zero-padded); ``fn`` must act row by row."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        out = _blocked(lambda: self._each_block(fn, x2, *params), fn, x2, *params)
+        out = _blocked(lambda: self._each_block(fn, x2, *params, R=R), fn, x2, *params)
         return out.reshape(*lead, out.shape[-1])
 
     def linear(self, x, w, b=None):
@@ -236,10 +236,7 @@ class ExactOps:
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """The output layer on blocks of ``head_block`` rows (the engine's decode; :meth:`logp` is the learner's)."""
-        lead = h.shape[:-1]
-        h2 = h.reshape(-1, h.shape[-1])
-        out = _blocked(lambda: self._each_block(F.linear, h2, head, R=self.head_block), F.linear, h2, head)
-        return out.reshape(*lead, out.shape[-1])
+        return self.rows(F.linear, h, head, R=self.head_block)
 
 
 def batched_linear(x3: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
