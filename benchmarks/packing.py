@@ -9,7 +9,9 @@ in a fresh process per variant, so that each peak RSS is its own:
 * ``padded_8``: the same with 8 rows per micro-batch, the padded setting that fits;
 * ``budget``: ``train.micro_batch_tokens`` (4096): rows grouped by length, each micro-batch cut to its own
   longest row;
-* ``packed``: the same micro-batches with ``train.packing``: responses back to back in one row.
+* ``packed``: the same micro-batches with ``train.packing``: responses back to back in one row, one
+  causal attention call per response;
+* ``budget_512`` / ``packed_512``: the same at the default budget (512 tokens).
 
 Prints JSON: padded-token fraction (positions computed that are padding), update seconds (best of
 ``--repeats``), peak RSS, and each variant's ratios to ``padded`` (goal: update time and peak memory −30%).
@@ -30,7 +32,9 @@ from pathlib import Path
 VARIANTS = {"padded": ["train.micro_batch_tokens=null"],
             "padded_8": ["train.micro_batch_tokens=null", "train.micro_batch_size=8"],
             "budget": ["train.micro_batch_tokens=4096"],
-            "packed": ["train.micro_batch_tokens=4096", "train.packing=true"]}
+            "packed": ["train.micro_batch_tokens=4096", "train.packing=true"],
+            "budget_512": ["train.micro_batch_tokens=512"],
+            "packed_512": ["train.micro_batch_tokens=512", "train.packing=true"]}
 
 ONE = """
 import json, resource, sys, time, torch
@@ -101,7 +105,7 @@ def main() -> None:
     for base_name in ("padded", "padded_8"):
         if "failed" in out[base_name]:
             continue
-        for name in ("budget", "packed"):
+        for name in ("budget", "packed", "budget_512", "packed_512"):
             if "failed" not in out[name]:
                 out[f"{name}_over_{base_name}"] = {
                     "update_time": round(out[name]["update_s"] / out[base_name]["update_s"], 2),

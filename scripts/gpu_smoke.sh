@@ -11,12 +11,13 @@
 # 3. `unison probe --device cuda --precision fp32,bf16,fp16 --param-dtype fp32,compute` (native engine):
 #    the mismatch of each precision on a GPU, ordered bf16 > fp16 > fp32;
 # 4. `unison train` under torchrun (world size 1, FSDP2) on CUDA: fp16 3 steps then a resume to step 4,
-#    bf16 3 steps; loss scale, skipped steps, peak GPU memory per step (reset after each read), decode and
-#    update tokens/s.
+#    bf16 3 steps with train.packing (one causal sdpa call per packed response); loss scale, skipped
+#    steps, peak GPU memory per step (reset after each read), decode and update tokens/s.
 # Each check prints one JSON line; the last line is the summary {"check": "summary", "ok": <every check
 # ANDed>, ...}. A failing stage prints the tail of its log. What it cannot cover: vLLM on a GPU (its wheels
 # do not fit the machine), multi-GPU NCCL, the paper-scale configs.
-# SMOKE_DEVICE=cpu SMOKE_SMALL=1 runs the same plumbing on a CPU with a narrow model (a dry run).
+# SMOKE_DEVICE=cpu SMOKE_SMALL=1 runs the same plumbing on a CPU with a narrow model (a dry run); on a CPU
+# without fp16 units (AMD EPYC here: 2 min per fp16 step) add SMOKE_TIMEOUT_SCALE=5 to stretch the time-outs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-smoke}
@@ -35,7 +36,7 @@ fail() {  # check name, log file: one JSON line, and the log's tail for whoever 
   echo "---- last 30 lines of $2 ----"; tail -n 30 "$2"; echo "----"
 }
 stage() {  # name, time-out (s), log, command...
-  local name=$1 t=$2 log=$3; shift 3
+  local name=$1 t=$(( $2 * ${SMOKE_TIMEOUT_SCALE:-1} )) log=$3; shift 3
   if timeout "$t" "$@" >"$log" 2>&1; then return 0; fi
   fail "$name" "$log"; return 1
 }
@@ -116,14 +117,14 @@ EOF
 )"
 fi
 
-# ---- 4. RL under torchrun (world size 1, FSDP2): fp16 3 steps + resume, bf16 3 steps -------- 260 s
+# ---- 4. RL under torchrun (world size 1, FSDP2): fp16 3 steps + resume, bf16 packed 3 steps - 260 s
 printf 'def reward(response, item):\n    return min(len(response), 200) / 200\n' >"$OUT/length_reward.py"
 cat >"$OUT/train.yaml" <<EOF
 model: $MODEL
 device: $DEVICE
 task: {name: arithmetic, digits: 2, train_size: 64, eval_size: 0, reward: "length_reward:reward", truncated_reward: null}
 rollout: {n: 8, max_new_tokens: $TOKENS}
-train: {steps: 3, prompts_per_step: 16, mini_batches: 2, micro_batch_size: 8, lr: 1.0e-6}
+train: {steps: 3, prompts_per_step: 16, mini_batches: 2, micro_batch_size: 8, micro_batch_tokens: 4096, lr: 1.0e-6}
 checkpoint: {every: 1}
 log: {console: true, tensorboard: false}
 distributed: {param_dtype: compute}
@@ -152,7 +153,8 @@ if stage train/fp16 100 "$OUT/train-fp16.log" env PYTHONPATH="$OUT" "${TR[@]}" -
     emit "$(summarize_train "$OUT/train-fp16/metrics.jsonl" fp16-resume 4)"
   fi
 fi
-if stage train/bf16 100 "$OUT/train-bf16.log" env PYTHONPATH="$OUT" "${TR[@]}" --out "$OUT/train-bf16" --set precision=bf16; then
+if stage train/bf16 100 "$OUT/train-bf16.log" env PYTHONPATH="$OUT" "${TR[@]}" --out "$OUT/train-bf16" --set precision=bf16 \
+     --set train.packing=true; then
   emit "$(summarize_train "$OUT/train-bf16/metrics.jsonl" bf16 3)"
 fi
 

@@ -217,3 +217,51 @@ def test_lora_merged_weight_is_w_plus_alpha_over_r_b_a_by_hand(tiny_dir):
     for n, w in merged.items():
         if n != name:  # every other adapter is still B = 0 (PEFT's init): the base weights
             assert torch.equal(w, base[n]), n
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in MOE])
+def test_packed_rows_score_and_train_as_padded_rows_in_every_architecture(zoo, arch):
+    """train.packing: three sequences (two longer than the 24-token sliding windows) in one row give
+    the log-probs and gradients of the same sequences in padded rows, to fp32 rounding — by one sdpa
+    call per sequence (Gemma 2, eager for its soft-capping: by transformers' block-diagonal mask)."""
+    from unison.learner import PolicyForward
+    from unison.models import load_model, use_packed_attention
+
+    g = torch.Generator().manual_seed(0)
+    lens = [40, 13, 31]
+    seqs = [torch.randint(3, 90, (n,), generator=g) for n in lens]
+    padded, packed = load_model(zoo[arch]), load_model(zoo[arch])
+    assert use_packed_attention(packed) == (arch != "gemma2")
+    tok = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    am = torch.zeros_like(tok)
+    for i, s in enumerate(seqs):
+        tok[i, :len(s)], am[i, :len(s)] = s, 1
+    lp_pad, _ = PolicyForward(padded)(tok, am, am)
+    flat, pos = torch.cat(seqs)[None], torch.cat([torch.arange(n) for n in lens])[None]
+    scored = (pos > 0).long()  # a sequence's first token has no context of its own
+    lp_pack, _ = PolicyForward(packed)(flat, None, scored, position_ids=pos)
+    assert torch.allclose(lp_pack[0], lp_pad[am.bool()], rtol=1e-5, atol=1e-5)
+    assert lp_pack.abs().sum() > 1.0
+    lp_pad.sum().backward()
+    lp_pack.sum().backward()
+    grads = dict(padded.named_parameters())
+    for n, p in packed.named_parameters():
+        if p.grad is not None or grads[n].grad is not None:
+            assert (p.grad - grads[n].grad).norm() <= 1e-5 * grads[n].grad.norm() + 1e-7, n
+
+
+def test_packed_attention_sliding_window_mask_by_hand():
+    from unison.models import _window_mask
+
+    assert _window_mask(4, 2, "cpu").int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+
+
+def test_packed_attention_refuses_a_model_that_drops_the_boundaries():
+    """The packed forward builds no mask: an attention call without the sequences' boundaries would
+    attend across them, so it raises instead of computing that."""
+    from unison.models import _packed_sdpa, packed_forward
+
+    q = torch.zeros(1, 2, 5, 4)
+    with packed_forward(), pytest.raises(UnisonError, match="train.packing=false"):
+        _packed_sdpa(torch.nn.Module(), q, q, q, None)
+    assert _packed_sdpa(torch.nn.Module(), q, q, q, None)[0].shape == (1, 5, 2, 4)  # outside: plain sdpa

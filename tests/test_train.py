@@ -227,10 +227,17 @@ def test_token_budget_groups_rows_by_length_within_both_limits():
     learner = Learner.__new__(Learner)
     learner.dist, learner.exact = __import__("unison.distributed", fromlist=["current"]).current(), None
     learner.micro_batch_size, learner.micro_batch_tokens = 3, 16
+    learner.packing, learner.moe = False, False
     groups = [g.tolist() for g in learner._shares(torch.arange(len(lens)), b)[0]]
     # longest first: 9 (+8 would be 2 x 9 = 18 > 16), 8+7 (2 x 8 = 16), 5+3+3 (3 x 5 = 15), 2+1
     assert [[lens[i] for i in g] for g in groups] == [[9], [8, 7], [5, 3, 3], [2, 1]]
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))  # every row exactly once
+    learner.micro_batch_tokens = 12
+    padded = [[lens[i] for i in g] for g in learner._shares(torch.arange(len(lens)), b)[0]]
+    assert padded == [[9], [8], [7], [5, 3], [3, 2, 1]]  # 2 x 7 = 14 > 12, 3 x 5 = 15 > 12
+    learner.packing = True  # packed rows hold their own tokens only: 7 + 5 = 12 fits
+    packed = [[lens[i] for i in g] for g in learner._shares(torch.arange(len(lens)), b)[0]]
+    assert packed == [[9], [8], [7, 5], [3, 3, 2], [1]]
 
 
 def test_packed_micro_batches_equal_padded_ones_within_fp32_rounding(tmp_path):

@@ -195,9 +195,10 @@ class TrainConfig(_Section):
     #: batch's width (the numerics of unison ≤ 0.1 before this key). Ignored in exact mode (its layout is fixed)
     micro_batch_tokens: int | None = Field(512, ge=1)
     #: padding-free packing: the responses of a micro-batch back to back in one row, positions restarted,
-    #: attention kept within each (Hugging Face's packed-sequence mask). On CPUs the block-diagonal mask
-    #: makes attention quadratic in the packed length (benchmarks/packing.py measures it); meant for GPUs
-    #: with a varlen attention kernel (untested). MoE models and exact mode keep padded rows
+    #: one causal sdpa call per response (no [T, T] mask; eager models such as Gemma 2 use transformers'
+    #: block-diagonal mask); the token budget then counts the rows' own tokens. Pays where rows differ
+    #: in length and budgets are large (GPUs); at the 512 default on CPU it changes little
+    #: (benchmarks/packing.py). MoE models and exact mode keep padded rows
     packing: bool = False
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)

@@ -44,7 +44,8 @@ from torch.utils.checkpoint import checkpoint
 from unison.batch import RolloutBatch
 from unison.distributed import Dist, current, decoder_layers, full_tensor, local_tensor, shard
 from unison.errors import UnisonError
-from unison.models import load_model, load_tokenizer, model_shell
+from unison.models import (PACKED_ATTENTION, load_model, load_tokenizer, model_shell, packed_forward, packed_kwargs,
+                            use_packed_attention)
 from unison.precision import Precision, autocast
 
 #: positions per chunk of the output layer (``train.logprob_chunk``'s default)
@@ -105,7 +106,9 @@ class PolicyForward(torch.nn.Module):
                 temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, return_entropy: bool = False,
                 cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None):
         """``attention_mask`` None with ``position_ids`` restarting at 0: several sequences packed in one
-        row (Hugging Face keeps attention within each); ``positions`` then marks what to score."""
+        row, attention kept within each (by one attention call per sequence with the packed attention of
+        :func:`unison.models.use_packed_attention`, else by transformers' block-diagonal mask);
+        ``positions`` then marks what to score."""
         if cast_to is not None:  # run on parameters cast to ``cast_to`` (gradients reach the originals)
             params = {n: p.to(cast_to) for n, p in self.named_parameters()}
             return torch.func.functional_call(self, params, (tokens, attention_mask, positions, temperature,
@@ -113,9 +116,14 @@ class PolicyForward(torch.nn.Module):
         B, L = tokens.shape
         aux = self.aux_loss_coef > 0 and torch.is_grad_enabled()
         kwargs = {"output_router_logits": True} if aux else {}
+        packed = contextlib.nullcontext()
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
-        out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **kwargs)
+            if attention_mask is None and self.lm.config._attn_implementation == PACKED_ATTENTION:
+                kwargs.update(packed_kwargs(position_ids))  # one causal attention per sequence
+                packed = packed_forward()
+        with packed:
+            out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **kwargs)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         self.last_aux_loss = _load_balancing_loss(self.lm, out.router_logits, attention_mask) if aux else None
         sel = attention_mask[:, 1:].bool() if attention_mask is not None else torch.ones_like(tokens[:, 1:], dtype=torch.bool)
@@ -293,6 +301,8 @@ class Learner:
         #: MoE: record the learner's expert choices (router disagreement); replay the rollout's
         self.moe = bool(moe.routers(self.model))
         self.routing_replay = routing_replay and self.moe
+        if packing and not self.moe and not exact:
+            use_packed_attention(self.model)
         #: [B, L, layers, k] expert choices of the last score pass (MoE models), else None
         self.last_routing: torch.Tensor | None = None
         if activation_checkpointing:
@@ -419,24 +429,26 @@ class Learner:
     def _shares(self, rows: torch.Tensor, batch: RolloutBatch | None = None) -> list[list[torch.Tensor]]:
         """Each rank's micro-batches of ``rows``: rank r takes rows[r::world], split into pieces of at
         most ``micro_batch_size`` rows and — with ``micro_batch_tokens`` — at most that many tokens
-        (rows × the piece's longest row: rows are grouped by length, longest first, as verl's dynamic
-        batch size does). Every rank computes every rank's share (no communication)."""
+        (rows × the piece's longest row, or with packing the rows' own lengths: rows are grouped by
+        length, longest first, as verl's dynamic batch size does). Every rank computes every rank's share (no communication)."""
         ws, mbs, budget = self.dist.world_size, self.micro_batch_size, self.micro_batch_tokens
         if budget is None or batch is None or self.exact is not None:
             return [list(rows[r::ws].split(mbs)) for r in range(ws)]
         lengths = batch.attention_mask.sum(-1)
+        packed = self.packing and not self.moe  # a packed micro-batch computes its tokens, no padding
         out = []
         for r in range(ws):
             mine = rows[r::ws]
             order = mine[torch.argsort(lengths[mine], descending=True, stable=True)].tolist()
-            groups, cur, widest = [], [], 0
+            groups, cur, widest, used = [], [], 0, 0
             for i in order:
                 L = int(lengths[i])
-                if cur and (len(cur) == mbs or (len(cur) + 1) * max(widest, L) > budget):
+                need = used + L if packed else (len(cur) + 1) * max(widest, L)
+                if cur and (len(cur) == mbs or need > budget):
                     groups.append(torch.tensor(cur))
-                    cur, widest = [], 0
+                    cur, widest, used = [], 0, 0
                 cur.append(i)
-                widest = max(widest, L)
+                widest, used = max(widest, L), used + L
             if cur:
                 groups.append(torch.tensor(cur))
             out.append(groups)
