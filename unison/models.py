@@ -423,8 +423,9 @@ def packed_forward():
 
 
 def packed_kwargs(position_ids: torch.Tensor) -> dict:
-    """The varlen keyword arguments of one packed row whose positions restart at 0 at each sequence."""
-    pos = position_ids[0]
+    """The varlen keyword arguments of one packed row whose positions restart at 0 at each sequence
+    (the boundaries on the host: :func:`_packed_sdpa` reads them in every layer, without a device sync)."""
+    pos = position_ids[0].cpu()
     starts = (pos == 0).nonzero().flatten()
     cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
