@@ -430,7 +430,8 @@ class Learner:
         """Each rank's micro-batches of ``rows``: rank r takes rows[r::world], split into pieces of at
         most ``micro_batch_size`` rows and — with ``micro_batch_tokens`` — at most that many tokens
         (rows × the piece's longest row, or with packing the rows' own lengths: rows are grouped by
-        length, longest first, as verl's dynamic batch size does). Every rank computes every rank's share (no communication)."""
+        length, longest first, as verl's dynamic batch size does). Every rank computes every rank's
+        share (no communication)."""
         ws, mbs, budget = self.dist.world_size, self.micro_batch_size, self.micro_batch_tokens
         if budget is None or batch is None or self.exact is not None:
             return [list(rows[r::ws].split(mbs)) for r in range(ws)]
