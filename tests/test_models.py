@@ -265,3 +265,11 @@ def test_packed_attention_refuses_a_model_that_drops_the_boundaries():
     with packed_forward(), pytest.raises(UnisonError, match="train.packing=false"):
         _packed_sdpa(torch.nn.Module(), q, q, q, None)
     assert _packed_sdpa(torch.nn.Module(), q, q, q, None)[0].shape == (1, 5, 2, 4)  # outside: plain sdpa
+
+
+def test_the_learner_says_where_packing_does_less(zoo):
+    assert Learner(zoo["llama"], packing=True).packing_note is None
+    assert Learner(zoo["llama"]).packing_note is None
+    assert Learner(zoo["qwen3_moe"], packing=True).packing_note.startswith("off: MoE models keep padded rows")
+    assert "eager attention: packed rows use transformers' block-diagonal mask" in \
+        Learner(zoo["gemma2"], packing=True).packing_note

@@ -198,7 +198,7 @@ class TrainConfig(_Section):
     #: one causal sdpa call per response (no [T, T] mask; eager models such as Gemma 2 use transformers'
     #: block-diagonal mask); the token budget then counts the rows' own tokens. Pays where rows differ
     #: in length and budgets are large (GPUs); at the 512 default on CPU it changes little
-    #: (benchmarks/packing.py). MoE models and exact mode keep padded rows
+    #: (benchmarks/packing.py). MoE models and exact mode keep padded rows (the run says so at start)
     packing: bool = False
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)

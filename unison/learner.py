@@ -301,8 +301,15 @@ class Learner:
         #: MoE: record the learner's expert choices (router disagreement); replay the rollout's
         self.moe = bool(moe.routers(self.model))
         self.routing_replay = routing_replay and self.moe
-        if packing and not self.moe and not exact:
-            use_packed_attention(self.model)
+        #: why train.packing does less than asked here (None: one attention call per packed response)
+        self.packing_note = None
+        if packing and self.moe:
+            self.packing_note = "off: MoE models keep padded rows (routing replay's layout)"
+        elif packing and exact:
+            self.packing_note = "off: exact mode keeps its fixed padded layout"
+        elif packing and not use_packed_attention(self.model):
+            self.packing_note = (f"{self.model.config._attn_implementation} attention: packed rows use transformers' "
+                                 f"block-diagonal mask (quadratic in the packed length)")
         #: [B, L, layers, k] expert choices of the last score pass (MoE models), else None
         self.last_routing: torch.Tensor | None = None
         if activation_checkpointing:

@@ -128,6 +128,8 @@ class Trainer:
         warning = quantization_warning(r.quantization, self.policy)
         if warning:
             self.log(f"[train] WARNING {warning}")
+        if self.learner.packing_note:
+            self.log(f"[train] train.packing: {self.learner.packing_note}")
         ahead = f", engine up to {r.max_staleness} versions ahead ({r.stale_policy})" if r.max_staleness else ""
         if r.max_staleness and cfg.mismatch.decompose_every and not self.learner.can_score_other_weights:
             self.log("[train] the split of the mismatch into numerics and staleness scores with older weights in one "
