@@ -227,7 +227,7 @@ def test_token_budget_groups_rows_by_length_within_both_limits():
     learner = Learner.__new__(Learner)
     learner.dist, learner.exact = __import__("unison.distributed", fromlist=["current"]).current(), None
     learner.micro_batch_size, learner.micro_batch_tokens = 3, 16
-    learner.packing, learner.moe = False, False
+    learner.packing = False
     groups = [g.tolist() for g in learner._shares(torch.arange(len(lens)), b)[0]]
     # longest first: 9 (+8 would be 2 x 9 = 18 > 16), 8+7 (2 x 8 = 16), 5+3+3 (3 x 5 = 15), 2+1
     assert [[lens[i] for i in g] for g in groups] == [[9], [8, 7], [5, 3, 3], [2, 1]]

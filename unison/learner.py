@@ -269,8 +269,6 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         #: token budget of a micro-batch (rows × its own longest row); None: micro_batch_size rows
         self.micro_batch_tokens = micro_batch_tokens
-        #: several responses per row without padding (train.packing; MoE models keep their padded rows)
-        self.packing = packing
         self.logprob_chunk = logprob_chunk
         #: under torchrun only rank 0 reads the weights; the others build the model on the meta device and
         #: receive their shards from rank 0 after sharding (one host copy per job, not one per rank)
@@ -310,6 +308,8 @@ class Learner:
         elif packing and not use_packed_attention(self.model):
             self.packing_note = (f"{self.model.config._attn_implementation} attention: packed rows use transformers' "
                                  f"block-diagonal mask (quadratic in the packed length)")
+        #: several responses per row without padding (train.packing; MoE models and exact mode keep padded rows)
+        self.packing = packing and not self.moe and not exact
         #: [B, L, layers, k] expert choices of the last score pass (MoE models), else None
         self.last_routing: torch.Tensor | None = None
         if activation_checkpointing:
@@ -414,7 +414,7 @@ class Learner:
                                        self.logprob_chunk, return_entropy)
             return (lp, ent) if return_entropy else lp
         W = self._width(batch, rows)
-        if self.packing and not self.moe:
+        if self.packing:
             return self._packed_forward(batch, rows, W, return_entropy)
         args = (batch.tokens[rows, :W], batch.attention_mask[rows, :W], self.temperature)
         kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.logprob_chunk)
@@ -443,7 +443,6 @@ class Learner:
         if budget is None or batch is None or self.exact is not None:
             return [list(rows[r::ws].split(mbs)) for r in range(ws)]
         lengths = batch.attention_mask.sum(-1)
-        packed = self.packing and not self.moe  # a packed micro-batch computes its tokens, no padding
         out = []
         for r in range(ws):
             mine = rows[r::ws]
@@ -451,7 +450,7 @@ class Learner:
             groups, cur, widest, used = [], [], 0, 0
             for i in order:
                 L = int(lengths[i])
-                need = used + L if packed else (len(cur) + 1) * max(widest, L)
+                need = used + L if self.packing else (len(cur) + 1) * max(widest, L)  # packed: no padding
                 if cur and (len(cur) == mbs or need > budget):
                     groups.append(torch.tensor(cur))
                     cur, widest, used = [], 0, 0
