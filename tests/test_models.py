@@ -250,6 +250,13 @@ def test_packed_rows_score_and_train_as_padded_rows_in_every_architecture(zoo, a
             assert (p.grad - grads[n].grad).norm() <= 1e-5 * grads[n].grad.norm() + 1e-7, n
 
 
+def test_packed_boundaries_by_hand():
+    from unison.models import packed_kwargs
+
+    cu = packed_kwargs(torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]]))["cu_seq_lens_q"]
+    assert cu.tolist() == [0, 3, 5, 6, 10] and cu.dtype == torch.int32 and cu.device.type == "cpu"
+
+
 def test_packed_attention_sliding_window_mask_by_hand():
     from unison.models import _window_mask
 

@@ -267,7 +267,7 @@ class Learner:
         self.compute_dtype = compute_dtype
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
-        #: token budget of a micro-batch (rows × its own longest row); None: micro_batch_size rows
+        #: token budget of a micro-batch (rows × its own longest row; packed: its tokens); None: micro_batch_size rows
         self.micro_batch_tokens = micro_batch_tokens
         self.logprob_chunk = logprob_chunk
         #: under torchrun only rank 0 reads the weights; the others build the model on the meta device and

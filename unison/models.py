@@ -371,8 +371,6 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     cu = kwargs.pop("cu_seq_lens_q", None)
-    for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
-        kwargs.pop(k, None)
     if cu is None:
         if _PACKED_FORWARD.get():  # the mask was not built: attending across sequences would be silent
             raise UnisonError(f"{type(module).__name__} does not pass the packed sequences' boundaries to its "
@@ -422,10 +420,10 @@ def packed_forward():
 
 
 def packed_kwargs(position_ids: torch.Tensor) -> dict:
-    """The varlen keyword arguments of one packed row whose positions restart at 0 at each sequence
-    (the boundaries on the host: :func:`_packed_sdpa` reads them in every layer, without a device sync)."""
+    """The keyword argument that carries one packed row's sequence boundaries to :func:`_packed_sdpa`
+    (``cu_seq_lens_q``, the name transformers' varlen kernels use), from positions that restart at 0 at
+    each sequence. It stays on the host, because the attention reads it in every layer and a copy there
+    would mean one device sync per layer."""
     pos = position_ids[0].cpu()
     starts = (pos == 0).nonzero().flatten()
-    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return {"cu_seq_lens_q": torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)}
