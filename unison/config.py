@@ -114,25 +114,28 @@ class PolicyConfig(_Section):
 
     #: advantage estimator: drgrpo (R − group mean), grpo (÷ group std), rloo (leave-one-out), batch_norm
     advantage: Literal["drgrpo", "grpo", "rloo", "batch_norm"] | None = None
-    #: policy loss: ppo_clip, gspo, pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl
-    loss: Literal["ppo_clip", "gspo", "pg_seq_is", "pg_seq_mis", "pg_token_is", "dppo_tv", "dppo_kl"] | None = None
-    #: mismatch correction: none, token_tis, token_mis, seq_tis, seq_mis, geo_rs, veto
-    correction: Literal["none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_rs", "veto"] | None = None
-    #: upper threshold C of the correction (token_tis 2, token_mis 2, seq_tis 2, seq_mis 10, geo_rs 1.01)
+    #: policy loss: ppo_clip, gspo, pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl, ipo
+    loss: Literal["ppo_clip", "gspo", "pg_seq_is", "pg_seq_mis", "pg_token_is", "dppo_tv", "dppo_kl",
+                  "ipo"] | None = None
+    #: mismatch correction: none, token_tis, token_mis (IcePop), seq_tis, seq_mis, geo_rs, veto, m2po
+    correction: Literal["none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_rs", "veto",
+                        "m2po"] | None = None
+    #: upper threshold C of the correction (token_tis 2, token_mis 2 — grpo_icepop 5 —, seq_tis 2, seq_mis 10,
+    #: geo_rs 1.01); m2po: τ, the bound on the batch's mean (log π_old − log μ)² (0.04)
     correction_c: float | None = Field(None, gt=0)
     #: lower threshold of token_mis (0.5) and geo_rs (0.99)
     correction_c_low: float | None = Field(None, ge=0)
     #: veto: drop a response with any token ratio below this (1e-4)
     veto_threshold: float | None = Field(None, gt=0)
     #: PPO ε (ppo_clip 0.2); gspo: lower band 3e-4; dppo_tv: δ of the probability band (0.2);
-    #: dppo_kl: δ of the binary-KL band (0.05)
+    #: dppo_kl: δ of the binary-KL band (0.05); ipo: ε, the band on |π − π_old| in probability (0.1)
     clip: float | None = Field(None, gt=0, lt=1)
     #: upper clip ε when asymmetric (gspo 4e-4; None = same as clip)
     clip_high: float | None = Field(None, gt=0)
-    #: pg_seq_mis: mask responses whose π(y)/μ(y) exceeds this (3); dppo_*: cap of the token ratio
+    #: pg_seq_mis: mask responses whose π(y)/μ(y) exceeds this (3); dppo_*, ipo: cap of the token ratio
     #: weight (None = no cap)
     loss_c: float | None = Field(None, gt=0)
-    #: dppo_*: weight of the (log π − log π_old)² term (dppo_tv 1e-3, prime-rl's kl_tau)
+    #: dppo_*, ipo: weight of the (log π − log π_old)² term (dppo_tv 1e-3, ipo 1e-3: prime-rl's kl_tau)
     kl_tau: float | None = Field(None, ge=0)
     #: token_mean | seq_mean_token_sum | seq_mean_token_mean | seq_mean_token_sum_norm (Dr.GRPO)
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
@@ -177,6 +180,38 @@ class SurgeConfig(_Section):
     trigger_step: int | None = Field(None, ge=1)
 
 
+class MismatchBudgetConfig(_Section):
+    """``train.schedule: mismatch_budget`` (docs/lr-schedule.md): after each step the LR factor f is
+    multiplied by ``down`` when the metric is above ``target``, by ``up`` (f capped at 1, the base LR)
+    when it is below half of it; η = train.lr · f, never below ``min_ratio`` · train.lr."""
+
+    #: the metric watched; null = mismatch/k3, or mismatch/staleness_k3 when rollout.max_staleness ≥ 1
+    #: (then measured every step instead of every mismatch.decompose_every)
+    metric: str | None = None
+    #: the mismatch the run may carry (token k3)
+    target: float = Field(1e-2, gt=0)
+    #: factor per step above the target (< 1)
+    down: float = Field(0.7, gt=0)
+    #: factor per step below half the target (> 1)
+    up: float = Field(1.1, gt=0)
+    #: the LR floor as a fraction of train.lr
+    min_ratio: float = Field(0.1, gt=0, le=1)
+
+    @field_validator("down")
+    @classmethod
+    def _down(cls, v):
+        if v >= 1:
+            raise ValueError(f"train.mismatch_budget.down must be below 1 (it lowers the LR), got {v}")
+        return v
+
+    @field_validator("up")
+    @classmethod
+    def _up(cls, v):
+        if v <= 1:
+            raise ValueError(f"train.mismatch_budget.up must be above 1 (it raises the LR back), got {v}")
+        return v
+
+
 class TrainConfig(_Section):
     steps: int = Field(40, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -206,7 +241,8 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     #: constant | warmup (linear warmup, then constant) | cosine (warmup, then cosine to min_lr_ratio)
     #: | surge_decay (Paper B: step decay after a response-length surge; see train.surge)
-    schedule: Literal["constant", "warmup", "cosine", "surge_decay"] = "constant"
+    #: | mismatch_budget (the LR follows the measured mismatch; see train.mismatch_budget)
+    schedule: Literal["constant", "warmup", "cosine", "surge_decay", "mismatch_budget"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     #: DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage)
@@ -216,6 +252,7 @@ class TrainConfig(_Section):
     #: evaluate on the held-out split every N steps (0 = never); greedy decoding
     eval_every: int = Field(0, ge=0)
     surge: SurgeConfig = SurgeConfig()
+    mismatch_budget: MismatchBudgetConfig = MismatchBudgetConfig()
     #: gradient-noise telemetry (McCandlish et al.) from micro-batch gradients; needs ≥ 2
     #: micro-batches per optimizer step
     grad_noise: bool = True
@@ -369,7 +406,7 @@ class Config(_Section):
     #: layout, so log μ == log π_old == log π_θ bit for bit (native engine; Llama/Mistral/Qwen2/Qwen3)
     exact: bool = False
     #: preset (unison/algorithms/presets.py): grpo, grpo_token_tis, grpo_seq_mis, gspo,
-    #: pg_seq_is, pg_seq_mis, pg_token_is
+    #: pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl, grpo_icepop, ipo, grpo_m2po
     algo: str = "grpo"
     #: local HF model directory, or builtin:tiny
     model: str = "builtin:tiny"

@@ -174,7 +174,59 @@ class SurgeDecaySchedule(LRSchedule):
             self.detector.load_state_dict(state["detector"])
 
 
-def make_schedule(train_cfg) -> LRSchedule:
+class MismatchBudgetSchedule(LRSchedule):
+    """The LR follows the measured mismatch (``train.schedule: mismatch_budget``): Paper B's finding —
+    the LR controls the mismatch — as a closed loop, in the manner of the adaptive-KL LR of PPO
+    implementations (rsl_rl ``schedule: adaptive``, ``desired_kl``), with the training–inference
+    mismatch in place of the policy KL. After step t has measured m_t (``metric``; token k3 by
+    default, ``mismatch/staleness_k3`` under asynchronous rollout):
+
+        f ← max(f · down, min_ratio)   if m_t > target
+        f ← min(f · up, 1)             if m_t < target / 2
+        f unchanged                    otherwise (and when m_t is missing or not finite)
+
+    and step t + 1 runs at η = η0 · f (times the linear warm-up factor during ``warmup_steps``).
+    f starts at 1. ``schedule/budget_state`` is −1 / 0 / +1 (lowered / held / raised),
+    ``schedule/budget_factor`` is f after the step; both are checkpointed, so a resumed run keeps its LR.
+    """
+
+    def __init__(self, base_lr: float, warmup_steps: int = 0, metric: str = "mismatch/k3",
+                 target: float = 1e-2, down: float = 0.7, up: float = 1.1, min_ratio: float = 0.1):
+        super().__init__("mismatch_budget", base_lr, 0, warmup_steps)
+        self.metric, self.target, self.down, self.up, self.min_ratio = metric, target, down, up, min_ratio
+        self.factor, self.state = 1.0, 0
+
+    def lr(self, step: int) -> float:
+        w = self.warmup_lr(step)
+        return (self.base_lr if w is None else w) * self.factor
+
+    def observe(self, step: int, metrics: dict) -> dict:
+        value = metrics.get(self.metric)
+        self.state = 0
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            if value > self.target:
+                self.factor, self.state = max(self.factor * self.down, self.min_ratio), -1
+            elif value < self.target / 2:
+                self.factor, self.state = min(self.factor * self.up, 1.0), 1
+        return {"schedule/budget_state": self.state, "schedule/budget_factor": self.factor,
+                "lr_schedule/surge_step": -1}
+
+    def state_dict(self) -> dict:
+        return {"factor": self.factor, "state": self.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.factor, self.state = state["factor"], state["state"]
+
+
+def make_schedule(train_cfg, asynchronous: bool = False) -> LRSchedule:
+    """The run's schedule. ``asynchronous``: the engine runs ahead (rollout.max_staleness ≥ 1), so the
+    mismatch budget watches the staleness part of the mismatch by default."""
+    if train_cfg.schedule == "mismatch_budget":
+        b = train_cfg.mismatch_budget
+        metric = b.metric or ("mismatch/staleness_k3" if asynchronous else "mismatch/k3")
+        return MismatchBudgetSchedule(train_cfg.lr, train_cfg.warmup_steps, metric, b.target, b.down, b.up,
+                                      b.min_ratio)
     if train_cfg.schedule == "surge_decay":
         s = train_cfg.surge
         if s.detector == "baseline_ratio":

@@ -101,7 +101,7 @@ class Trainer:
             self.engine.exact.ops = ops
         self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass)
         self.correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
-        self.schedule = make_schedule(cfg.train)
+        self.schedule = make_schedule(cfg.train, asynchronous=cfg.rollout.max_staleness > 0)
         self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         self.step = 0
         self.failed_reward_steps = 0
@@ -271,7 +271,8 @@ class Trainer:
         """``numeric``: μ against the learner under the weights that sampled (same version, other
         numerics); ``staleness``: those weights against π_old. log π_old − log μ is exactly the sum of
         the two log-ratios, so k1 adds up; k3 adds up to a cross term (docs/async.md)."""
-        every = self.cfg.mismatch.decompose_every
+        every = 1 if getattr(self.schedule, "metric", None) == "mismatch/staleness_k3" \
+            else self.cfg.mismatch.decompose_every  # the mismatch budget reads the split every step
         if not every or (step + 1) % every:
             return {}
         mu, mask, v = batch.logp_mu[rows], batch.response_mask[rows], batch.version[rows]

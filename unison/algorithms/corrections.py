@@ -122,11 +122,41 @@ def veto(logp_old, logp_mu, mask, threshold: float = 1e-4, **_):
                    {"correction/seq_masked_fraction": _frac_dropped(keep, m)})
 
 
+def m2po(logp_old, logp_mu, mask, c: float = 0.04, **_):
+    """M2PO (arXiv 2510.01161; AReaL ``actor.m2_threshold``): bound the second moment of the
+    log-ratio over the batch by masking its largest terms. With m2_t = (log π_old − log μ)² over
+    **all** response tokens of the batch given (not row by row), sorted descending, mask the k
+    largest for the smallest k whose remaining mean Σ_{j≥k} m2_(j) / (n − k) is below τ = ``c``
+    (0.04); when no k achieves it, mask all but the smallest. Kept tokens get w = 1, masked w = 0
+    (a mask, not a ratio weight: the loss's own clipping does the rest).
+
+    Metrics: ``correction/m2_before`` (mean m2 over all tokens), ``correction/m2_after`` (over the
+    kept ones) and the masked fraction."""
+    m = mask.float()
+    sel = m.bool()
+    w = m.clone()
+    lr = log_rho(logp_old, logp_mu, m)
+    m2 = lr[sel].pow(2)
+    n = m2.numel()
+    extra = {"correction/m2_before": 0.0, "correction/m2_after": 0.0}
+    if n:
+        order = torch.argsort(m2, descending=True, stable=True)
+        sorted_m2 = m2[order].double()
+        suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=torch.float64)
+        below = (suffix_mean < c).nonzero()
+        k = int(below[0]) if below.numel() else n - 1
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[order[:k]] = False
+        w[sel] = keep.float()
+        extra = {"correction/m2_before": float(sorted_m2.mean()), "correction/m2_after": float(m2[keep].double().mean())}
+    return _finish(w, logp_old, logp_mu, m, extra)
+
+
 def _frac_dropped(w_seq: torch.Tensor, m: torch.Tensor) -> float:
     has = m.sum(-1) > 0
     return float((w_seq[has] == 0).float().mean()) if bool(has.any()) else 0.0
 
 
 CORRECTIONS = {"none": none, "token_tis": token_tis, "token_mis": token_mis, "seq_tis": seq_tis,
-               "seq_mis": seq_mis, "geo_rs": geo_rs, "veto": veto}
-TOKEN_LEVEL = {"token_tis", "token_mis"}
+               "seq_mis": seq_mis, "geo_rs": geo_rs, "veto": veto, "m2po": m2po}
+TOKEN_LEVEL = {"token_tis", "token_mis", "m2po"}

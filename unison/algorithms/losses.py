@@ -168,7 +168,10 @@ def dppo_kl(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.05, cli
     """DPPO with the binary KL trust region (verl ``compute_policy_loss_dppo_kl``): the divergence of
     the Bernoulli "this token or not" between π_old and π_θ,
 
-        D_t = p_old log(p_old/p) + (1 − p_old) log((1 − p_old)/(1 − p))   (+1e-8 inside the logs),
+        D_t = p_old (log p_old − log p) + (1 − p_old) log((1 − p_old + 1e-8)/(1 − p + 1e-8)),
+
+(the first term from the log-probs themselves, as verl computes it — a guard there would keep a
+token whose p ≈ 1e-9 collapsed from a p_old of 0.5),
 
     keeps a token iff A > 0: D_t ≤ δ_high or p ≤ p_old; A ≤ 0: D_t ≤ δ_low or p ≥ p_old
     (δ = ``clip``/``clip_high``, verl's example 0.05); the update on kept tokens is as in
@@ -176,13 +179,43 @@ def dppo_kl(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.05, cli
     hi = clip if clip_high is None else clip_high
     p, q = logp.detach().exp(), logp_old.exp()
     eps = 1e-8
-    d = q * torch.log((q + eps) / (p + eps)) + (1 - q) * torch.log((1 - q + eps) / (1 - p + eps))
+    d = q * (logp_old - logp.detach()) + (1 - q) * torch.log((1 - q + eps) / (1 - p + eps))
     keep = torch.where(adv[:, None] > 0, (d <= hi) | (p <= q), (d <= clip) | (p >= q))
     return _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau)
 
 
+def ipo(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.1, loss_c: float | None = None,
+        kl_tau: float = 1e-3, **_):
+    """IPO (prime-rl's default loss, ``ipo_loss_fn``; ``[trainer.loss] type="ipo"``): a trust region in
+    probability space on both sides, whatever the advantage's sign. With p = π_θ(y_t) and
+    p_old = π_old(y_t) (μ itself under ``policy.anchor: bypass``, prime-rl's setting), a token is kept iff
+
+        |p − p_old| ≤ ε      (ε = ``clip``),
+
+    and ℓ_t = (−keep_t · w_t · A · sg[r_t] · log π_θ(y_t) + τ · (log r_t)²) · mask,
+    r_t = exp(clamp(log π_θ − log π_old, ±20)) (capped at ``loss_c`` when set; prime-rl has no cap),
+    τ = ``kl_tau``. The gradient of a kept token is −w·A·r·∇log π, prime-rl's; the τ term pulls every
+    response token back towards π_old. Unlike DPPO-Binary-TV (:func:`dppo_tv`) the band does not
+    depend on A's sign: a token that moved too far is masked in either direction.
+
+    Metrics: ``policy/ipo_masked_fraction`` (response tokens outside the band), and the mismatch KL
+    over the masked and the kept tokens, ``policy/masked_mismatch_kl`` and
+    ``policy/unmasked_mismatch_kl`` (prime-rl's names: the k3 of π_θ against μ)."""
+    keep = (logp.detach().exp() - logp_old.exp()).abs() <= clip
+    per_token, metrics = _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau)
+    with torch.no_grad():
+        m = mask.bool()
+        log_r = _masked_log_ratio(logp.detach(), logp_mu, mask.float())
+        k3 = torch.expm1(log_r) - log_r
+        masked, kept = m & ~keep, m & keep
+        metrics["policy/ipo_masked_fraction"] = metrics["policy/clip_fraction"]
+        metrics["policy/masked_mismatch_kl"] = float(k3[masked].sum() / masked.sum().clamp(min=1))
+        metrics["policy/unmasked_mismatch_kl"] = float(k3[kept].sum() / kept.sum().clamp(min=1))
+    return per_token, metrics
+
+
 LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "pg_seq_is": pg_seq_is, "pg_seq_mis": pg_seq_mis,
-          "pg_token_is": pg_token_is, "dppo_tv": dppo_tv, "dppo_kl": dppo_kl}
+          "pg_token_is": pg_token_is, "dppo_tv": dppo_tv, "dppo_kl": dppo_kl, "ipo": ipo}
 #: losses that already weight by π/μ themselves: a further correction would apply it twice
 SELF_CORRECTING = {"pg_seq_is", "pg_seq_mis", "pg_token_is"}
 #: losses whose ratio is a sequence quantity: token-level corrections do not compose

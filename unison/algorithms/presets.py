@@ -2,7 +2,8 @@
 
 A preset fills every ``policy.*`` field the user left unset. Thresholds are
 the paper's (docs/papers.md, "Algorithms compared"): Token-TIS C = 2, Seq-MIS C = 10,
-GSPO band [1−3e-4, 1+4e-4], PG-Seq-MIS C = 3, PPO ε = 0.2.
+GSPO band [1−3e-4, 1+4e-4], PG-Seq-MIS C = 3, PPO ε = 0.2; the cures the field ships have their
+sources' (IcePop [0.5, 5], IPO ε and τ, M2PO τ = 0.04: docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ PRESETS: dict[str, dict] = {
     "dppo_tv": dict(_PG, loss="dppo_tv", clip=0.2, clip_high=0.2, kl_tau=1e-3, loss_c=20.0),
     # DPPO-Binary-KL (verl dppo_kl): the band on the Bernoulli KL, δ = 0.05
     "dppo_kl": dict(_PG, loss="dppo_kl", clip=0.05, clip_high=0.05, loss_c=20.0),
+    # IcePop (Ring-1T, arXiv 2510.18855): GRPO with a token's weight zeroed when π_old/μ leaves [0.5, 5]
+    # (token_mis; verl rollout_is_threshold "0.5_5.0"); kept tokens are weighted by the ratio
+    "grpo_icepop": dict(_GRPO, correction="token_mis", correction_c_low=0.5, correction_c=5.0),
+    # IPO (prime-rl's default loss): mask a token when |π − π_old| > ε in probability, either sign of A;
+    # ratio-weighted policy gradient elsewhere + τ·(log π/π_old)²; π_old is μ (bypass), as in prime-rl
+    "ipo": dict(_PG, loss="ipo", clip=0.1, kl_tau=1e-3, anchor="bypass"),
+    # M2PO (arXiv 2510.01161; AReaL m2_threshold): GRPO with the tokens of largest (log π_old − log μ)²
+    # masked until the batch's mean second moment is below τ = 0.04
+    "grpo_m2po": dict(_GRPO, correction="m2po", correction_c=0.04),
 }
 
 _POLICY_KEYS = ("advantage", "loss", "correction", "correction_c", "correction_c_low", "veto_threshold",
