@@ -176,3 +176,159 @@ def test_mismatch_budget_config_metric_default_and_bad_input():
         config_from_dict({}, ["train.mismatch_budget.down=1.0"])
     with pytest.raises(UnisonError, match="train.mismatch_budget.up must be above 1"):
         config_from_dict({}, ["train.mismatch_budget.up=0.9"])
+
+
+# ------------------------------------------------------------------ the quantization-aware learner
+def _perturbed(learner, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    return learner
+
+
+def _one_batch(engine, n=2, tokens=12, **sampling):
+    from unison.batch import collate
+    from unison.rollout import SamplingParams
+
+    ids = [engine.tokenizer(t)["input_ids"] for t in ("12+35=", "7+8=")]
+    comps = engine.generate(ids, SamplingParams(n=n, max_tokens=tokens, seed=3, **sampling))
+    return collate(comps, engine.pad_id)
+
+
+def test_quantization_aware_gradient_is_straight_through_to_the_master(tiny_dir):
+    """∂L/∂W_master under QAT == ∂L/∂W_q of the same loss computed on a model that holds W_q = Q(W)."""
+    from unison.learner import Learner, token_logprobs
+    from unison.quant import fake_quantize, targets
+
+    qat = _perturbed(Learner(tiny_dir, quantization_aware=("int4", 64)))
+    ref = _perturbed(Learner(tiny_dir))
+    quant = {t.name: t.in_dim for t in targets(ref.model)}
+    with torch.no_grad():  # the reference holds the quantized weights themselves
+        for name, p in ref.model.named_parameters():
+            if name in quant:
+                p.copy_(fake_quantize(p, "int4", torch.float32, quant[name]))
+    engine = __import__("unison.rollout", fromlist=["make_engine"]).make_engine("native", tiny_dir, torch.float32)
+    b = _one_batch(engine)
+    losses = []
+    for lrn in (qat, ref):
+        lp = token_logprobs(lrn.forward_module, b.tokens, b.attention_mask, positions=b.response_mask)
+        loss = -(lp * b.response_mask).sum()
+        loss.backward()
+        losses.append(float(loss.detach()))
+    assert losses[0] == losses[1]  # the forward is exactly the quantized model's
+    gq, gr = dict(qat.model.named_parameters()), dict(ref.model.named_parameters())
+    assert set(quant) and all(n in gq for n in quant)
+    for name in gq:
+        assert torch.equal(gq[name].grad, gr[name].grad), name  # straight through, bit for bit
+    # the parameters are still the fp32 masters, under their own names (not the quantized values)
+    assert not torch.equal(gq["model.layers.0.mlp.up_proj.weight"].detach(), gr["model.layers.0.mlp.up_proj.weight"].detach())
+
+
+def test_quantization_aware_off_is_bit_identical_and_the_engine_agrees(tiny_dir):
+    from unison.learner import Learner
+    from unison.mismatch import k3
+    from unison.rollout import make_engine
+
+    plain, qat = _perturbed(Learner(tiny_dir)), _perturbed(Learner(tiny_dir, quantization_aware=("int4", 64)))
+    engine = make_engine("native", tiny_dir, torch.float32, quantization="int4")
+    engine.sync_weights(plain)
+    b = _one_batch(engine)
+    with qat.qat.set(False):  # switched off: the hooks do nothing
+        assert torch.equal(qat.score(b), plain.score(b))
+    assert float(k3(plain.score(b), b.logp_mu, b.response_mask)) > 1e-4  # int4 vs the fp32 masters
+    assert float(k3(qat.score(b), b.logp_mu, b.response_mask)) < 1e-9  # π is the policy μ samples from
+
+
+def test_quantization_aware_quantizes_moe_experts_and_lora_merged_weights(tiny_dir, tmp_path):
+    from unison import zoo
+    from unison.config import LoRAConfig
+    from unison.learner import Learner
+    from unison.mismatch import k3
+    from unison.rollout import make_engine
+
+    moe_dir = zoo.build("qwen3_moe", tmp_path / "moe")
+    learner = Learner(moe_dir, quantization_aware=("int8", 64))
+    assert any("experts" in m for m, _, _ in learner.qat.params)  # the 3-D expert tensors are quantized too
+    engine = make_engine("native", moe_dir, torch.float32, quantization="int8")
+    b = _one_batch(engine, tokens=8)
+    learner.routing_replay = True  # the engine's experts: the remaining gap is quantization's alone
+    assert float(k3(learner.score(b), b.logp_mu, b.response_mask)) < 1e-9
+    lora = Learner(tiny_dir, lora_cfg=LoRAConfig(rank=2, alpha=4.0), quantization_aware=("int4", 64))
+    with torch.no_grad():  # adapters that change the merged weight
+        for n, p in lora.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    assert lora.qat.lora and not any("lora_" in m or "base_layer" in m for m, _, _ in lora.qat.params)
+    eng = make_engine("native", tiny_dir, torch.float32, quantization="int4")
+    eng.sync_weights(lora)  # the merged weights W + (α/r)·B·A, quantized by the engine
+    b = _one_batch(eng)
+    assert float(k3(lora.score(b), b.logp_mu, b.response_mask)) < 1e-9
+
+
+def test_probe_quantization_aware_rows_and_exact_bitwise(tiny_dir):
+    from unison.probe import ProbeConfig, run_probe
+
+    out = run_probe(ProbeConfig(precisions=["fp32"], quantizations=["int4"], quantization_aware=True, exact=True,
+                                n=2, max_new_tokens=24), log=lambda m: None)
+    rows = {(r["exact"], r["quantization_aware"]): r for r in out["results"]}
+    assert set(rows) == {(False, False), (False, True), (True, True)}
+    assert rows[False, False]["mismatch/k3"] > 1e-3
+    assert rows[False, True]["mismatch/k3"] < 1e-9
+    assert rows[True, True]["mismatch/k3"] == 0.0 and rows[True, True]["mismatch/identical_fraction"] == 1.0
+
+
+def test_quantization_aware_bad_input_is_refused_before_writing(tmp_path):
+    from unison.config import load_config
+    from unison.trainer import Trainer
+
+    def train(*sets):
+        cfg = load_config(None, ["train.steps=1", "log.console=false", "log.tensorboard=false", *sets])
+        return Trainer(cfg, tmp_path / "run", log=lambda m: None)
+
+    with pytest.raises(UnisonError, match="train.quantization_aware needs a quantized rollout"):
+        train("train.quantization_aware=true")
+    with pytest.raises(UnisonError, match="lora.dropout=0"):
+        train("train.quantization_aware=true", "rollout.quantization=int4", "lora.rank=2", "lora.dropout=0.1")
+    with pytest.raises(UnisonError, match="set train.quantization_aware=true"):
+        train("rollout.quantization=int4", "exact=true")
+    with pytest.raises(UnisonError, match="rollout.replay_sampling_mask=false"):
+        train("engine=vllm", "vllm.mode=server", "vllm.url=http://127.0.0.1:9", "rollout.top_p=0.9")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ sampling-mask replay
+def test_support_logsumexp_by_hand():
+    from unison.learner import support_logsumexp
+
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.5, 0.4, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    # row 0: top-2 {3, 2}; row 1: top-1 {2.0} but the target (index 3, logit 1.0) ranks below it: it takes the
+    # kept slot; row 2: 0 = the whole vocabulary
+    lse = support_logsumexp(logits, torch.tensor([2, 3, 0]), torch.tensor([2, 1, 0]))
+    want = [math.log(math.exp(3) + math.exp(2)), 1.0, math.log(sum(math.exp(x) for x in (1, 2, 3, 4)))]
+    assert lse.tolist() == pytest.approx(want, rel=1e-6)
+
+
+def test_replay_removes_the_kept_mass_from_the_ratio(tiny_dir):
+    """Top-p 0.9 and top-k 5 in fp32: without replay π/μ carries −log S (the kept mass); with it the
+    token k3 is at fp32 rounding, as without truncation."""
+    from unison.learner import Learner
+    from unison.mismatch import k1, k3
+    from unison.rollout import make_engine
+
+    learner = Learner(tiny_dir)
+    engine = make_engine("native", tiny_dir, torch.float32)
+    for sampling in ({"top_p": 0.9}, {"top_k": 5}):
+        b = _one_batch(engine, n=4, tokens=24, **sampling)
+        assert "support" in b.extras and int(b.extras["support"].max()) > 0
+        # recorded on response tokens only, one size per sampled token
+        assert bool(((b.extras["support"] > 0) <= b.response_mask.bool()).all())
+        learner.replay_sampling_mask = False
+        full = learner.score(b)
+        learner.replay_sampling_mask = True
+        replayed = learner.score(b)
+        m = b.response_mask
+        assert float(k3(full, b.logp_mu, m)) > 1e-4 and float(k1(full, b.logp_mu, m)) > 0  # log μ > log π
+        assert float(k3(replayed, b.logp_mu, m)) < 1e-9
+    b = _one_batch(engine)  # no truncation: nothing recorded, nothing replayed
+    assert "support" not in b.extras

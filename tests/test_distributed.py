@@ -69,14 +69,18 @@ def _weights(run, step):
     return load_file(run / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors")
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_two_ranks_equal_one_process_in_fp32(env, tmp_path, packing):
+@pytest.mark.parametrize("packing,qat", [(False, False), (True, False), (False, True)],
+                         ids=["padded", "packed", "quantization-aware"])
+def test_two_ranks_equal_one_process_in_fp32(env, tmp_path, packing, qat):
     """Two FSDP2 ranks give one process's samples, metrics and weights; with ``packing`` the two ranks
-    run packed rows (one attention call per response) against the one process's padded rows."""
-    one = _train(env, tmp_path, "one", ["train.micro_batch_size=4"], torchrun=False)
+    run packed rows (one attention call per response) against the one process's padded rows; with
+    ``qat`` both run int4 rollout with a quantization-aware learner (each rank quantizes the weight
+    FSDP gathered for the layer)."""
+    quant = ["rollout.quantization=int4", "train.quantization_aware=true"] if qat else []
+    one = _train(env, tmp_path, "one", ["train.micro_batch_size=4", *quant], torchrun=False)
     assert one.returncode == 0, one.stderr
     two = _train(env, tmp_path, "two", ["distributed.param_dtype=fp32", "train.micro_batch_size=2",
-                                        f"train.packing={str(packing).lower()}"])
+                                        f"train.packing={str(packing).lower()}", *quant])
     assert two.returncode == 0, two.stderr
     assert two.stdout.count("done:") == 1  # rank 0 alone speaks
     a, b = read_metrics(tmp_path / "one/metrics.jsonl"), read_metrics(tmp_path / "two/metrics.jsonl")

@@ -12,7 +12,9 @@ log-probability of ``tokens[:, t]`` given everything before it. Keeping one
 alignment everywhere removes the classic off-by-one of shifted logits.
 ``version`` is the policy version (weight updates applied) that sampled each row.
 Later stages fill ``logp_old`` (the learner's score pass), ``rewards``,
-``advantages`` and correction ``weights``.
+``advantages`` and correction ``weights``. ``extras`` holds what some runs have: ``routing`` (MoE:
+the engine's expert choices, [B, L, layers, k]) and ``support`` (top-p / top-k: the size of the
+support each response token was sampled from, [B, L], 0 = the whole vocabulary).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Completion:
     #: the policy versions (weight updates applied) the engine held when it sampled the first and
     #: the last token: equal unless a weight update reached the engine mid-response
     versions: tuple[int, int] = (0, 0)
+    #: top-p / top-k sampling: the size c of the support each token was drawn from (its c most probable
+    #: tokens; 0 = the whole vocabulary), for sampling-mask replay; None when the engine did not record it
+    support: list[int] | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -119,6 +124,13 @@ def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] 
                 s = 0 if layout is None else layout[0] - len(c.prompt_ids)
                 routing[i, s:s + c.routing.shape[0]] = c.routing.long()
         extras["routing"] = routing
+    if any(c.support is not None and any(c.support) for c in completions):  # [B, L], 0 = the whole vocabulary
+        support = torch.zeros((B, L), dtype=torch.int64)
+        for i, c in enumerate(completions):
+            if c.support:
+                s = (0 if layout is None else layout[0] - len(c.prompt_ids)) + len(c.prompt_ids)
+                support[i, s:s + len(c.support)] = torch.tensor(c.support, dtype=torch.int64)
+        extras["support"] = support
     return RolloutBatch(
         tokens=tokens, attention_mask=attention, response_mask=resp, logp_mu=logp_mu, extras=extras,
         prompt_lens=torch.tensor([len(c.prompt_ids) for c in completions]),

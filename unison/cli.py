@@ -13,6 +13,14 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        return [kind(t) for t in _csv(text)]
+    except ValueError as e:
+        raise UnisonError(f"{flag} '{text}' is not a comma-separated list of numbers: write e.g. {flag} "
+                          f"{'1.0,0.9' if kind is float else '0,50'}") from e
+
+
 def _int_csv(text: str, flag: str) -> list[int]:
     try:
         return [int(t) for t in _csv(text)]
@@ -49,6 +57,14 @@ def _add_probe(sub) -> None:
                         "channel; int4 in groups of --quant-group-size); one arm per precision and format against "
                         "the same learner (default: none)")
     p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale (default: 64)")
+    p.add_argument("--quantization-aware", action="store_true",
+                   help="also score every quantized arm with a quantization-aware learner (train.quantization_aware: "
+                        "the learner computes through the rollout's quantizer); with --exact, exact quantized arms too")
+    p.add_argument("--top-p", default="1.0",
+                   help="comma-separated top-p values to sample with (1.0 = off), one arm each; truncated arms are "
+                        "scored without and with sampling-mask replay (default: 1.0)")
+    p.add_argument("--top-k", default="0",
+                   help="comma-separated top-k values (0 = off), one arm each, as --top-p (default: 0)")
     p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
     p.set_defaults(func=cmd_probe)
 
@@ -62,7 +78,9 @@ def cmd_probe(args) -> int:
                       engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed, device=args.device,
                       param_dtypes=_csv(args.param_dtype), exact=args.exact,
-                      quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size)
+                      quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
+                      quantization_aware=args.quantization_aware, top_ps=_numbers(args.top_p, float, "--top-p"),
+                      top_ks=_numbers(args.top_k, int, "--top-k"))
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
@@ -71,7 +89,8 @@ def cmd_probe(args) -> int:
     console = Console(width=max(Console().width, 170))
     console.print(format_table(out["results"], out["timings"]))
     by = {(r["engine"], r["precision"]): r for r in out["results"]
-          if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"] and r["quantization"] == "none"}
+          if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"] and r["quantization"] == "none"
+          and r["top_p"] == 1.0 and not r["top_k"]}
     for eng in cfg.engines:
         bf, fp = by.get((eng, "bf16")), by.get((eng, "fp16"))
         if bf and fp:

@@ -82,10 +82,16 @@ class RolloutConfig(_Section):
     #: responses per prompt (group size)
     n: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
-    #: 1.0 = off. Truncation makes log μ that of the truncated distribution (biases π/μ)
+    #: 1.0 = off. Truncation makes log μ that of the truncated distribution: without
+    #: replay_sampling_mask, π/μ carries the log of the kept mass
     top_p: float = Field(1.0, gt=0, le=1)
     #: 0 = off
     top_k: int = Field(0, ge=0)
+    #: sampling-mask replay (DeepSeek-V3.2 "keep sampling mask"): with top_p < 1 or top_k > 0 the native
+    #: engine records the support each token was sampled from (its c most probable tokens) and the learner
+    #: renormalises π over it, so π/μ is not biased by the kept mass; every mismatch metric and correction
+    #: uses it. Native engine only (the vLLM engines do not return the support: set false there)
+    replay_sampling_mask: bool = True
     max_new_tokens: int = Field(16, ge=1)
     #: the rollout engine's weight format (unison/quant.py; **contract** key): none | fp8 (e4m3, per
     #: output channel) | int8 (per output channel) | int4 (symmetric groups of quant_group_size input
@@ -264,6 +270,13 @@ class TrainConfig(_Section):
     #: recompute each decoder layer's activations in the backward pass instead of keeping them
     #: (activation checkpointing): far less memory for long sequences, ~30% more compute
     activation_checkpointing: bool = False
+    #: quantization-aware learner (needs rollout.quantization ≠ none, the native engine): every weight the
+    #: engine quantizes is, in the learner's forward (score pass and training pass), the same quantizer's
+    #: output, with a straight-through gradient to the fp32 master — π is the quantized policy μ samples
+    #: from (verl NVFP4 QAT, NeMo RL QARL, SkyRL FakeInt4Qat). Parameters, optimizer and checkpoints stay
+    #: the fp32 masters. With LoRA the merged weight W + (α/r)·B·A is what is quantized (what the engine
+    #: holds); under FSDP2 the gathered weight; exact mode with a quantized rollout needs it
+    quantization_aware: bool = False
     #: with one mini-batch (one optimizer step per rollout, θ = θ_old), take log π_old and the
     #: mismatch from the training forward instead of a separate score pass (one forward fewer)
     fuse_score_pass: bool = True

@@ -68,16 +68,39 @@ def _logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None
 
 
+def support_logsumexp(logits: torch.Tensor, targets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row's logits over the support it was sampled from: its ``sizes[i]`` largest
+    (sampling-mask replay; 0 = every logit). Top-k and top-p both keep the c most probable tokens, so c
+    is the whole record. The target always counts: where it ranks just below the c-th (a near-tie that
+    this forward orders differently from the sampler's), it takes the c-th's place."""
+    full = torch.logsumexp(logits, dim=-1)
+    trunc = sizes > 0
+    if not bool(trunc.any()):
+        return full
+    rows = trunc.nonzero().squeeze(-1)
+    lg, c = logits[rows], sizes[rows].to(logits.device)
+    top = torch.topk(lg, int(c.max()), dim=-1).values  # [n, k], descending
+    cols = torch.arange(top.shape[1], device=lg.device)[None, :]
+    tgt = lg.gather(-1, targets[rows][:, None])
+    last = (cols == (c - 1)[:, None])
+    swap = last & (tgt < top.gather(-1, (c - 1)[:, None]))
+    vals = torch.where(swap, tgt, top).masked_fill(cols >= c[:, None], float("-inf"))
+    return full.index_put((rows,), torch.logsumexp(vals, dim=-1))
+
+
 def _head_logp(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float,
-               transform, want_entropy: bool):
-    """log p(target) and entropy for rows of hidden states ``h`` [N, d] (fp32 softmax)."""
+               transform, want_entropy: bool, support: torch.Tensor | None = None):
+    """log p(target) and entropy for rows of hidden states ``h`` [N, d] (fp32 softmax). ``support`` [N]:
+    the size of the support each target was sampled from (sampling-mask replay; 0 = the vocabulary):
+    log p is then renormalised over it. The entropy is always the full distribution's."""
     logits = head(h).float()
     if transform is not None:
         logits = transform(logits)
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    norm = lse if support is None else support_logsumexp(logits, targets, support)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
     if not want_entropy:
         return logp, None
     with torch.no_grad():
@@ -104,15 +127,17 @@ class PolicyForward(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None = None,
                 temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, return_entropy: bool = False,
-                cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None):
+                cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None,
+                support: torch.Tensor | None = None):
         """``attention_mask`` None with ``position_ids`` restarting at 0: several sequences packed in one
         row, attention kept within each (by one attention call per sequence with the packed attention of
         :func:`unison.models.use_packed_attention`, else by transformers' block-diagonal mask);
-        ``positions`` then marks what to score."""
+        ``positions`` then marks what to score. ``support`` [B, L] (aligned with ``tokens``): the size of
+        the support each token was sampled from, for sampling-mask replay (:func:`support_logsumexp`)."""
         if cast_to is not None:  # run on parameters cast to ``cast_to`` (gradients reach the originals)
             params = {n: p.to(cast_to) for n, p in self.named_parameters()}
             return torch.func.functional_call(self, params, (tokens, attention_mask, positions, temperature,
-                                                             chunk, return_entropy, None, position_ids))
+                                                             chunk, return_entropy, None, position_ids, support))
         B, L = tokens.shape
         aux = self.aux_loss_coef > 0 and torch.is_grad_enabled()
         kwargs = {"output_router_logits": True} if aux else {}
@@ -130,11 +155,13 @@ class PolicyForward(torch.nn.Module):
         if positions is not None:
             sel = sel & positions[:, 1:].bool()
         hs, tg = h[:, :-1][sel], tokens[:, 1:][sel]
+        sup = support.to(h.device)[:, 1:][sel] if support is not None else None
         head = self.lm.get_output_embeddings()
         lps, ents = [], []
         step = chunk if chunk and chunk > 0 else max(hs.shape[0], 1)
         for s in range(0, hs.shape[0], step):
-            args = (hs[s:s + step], tg[s:s + step], head, temperature, self._transform, return_entropy)
+            args = (hs[s:s + step], tg[s:s + step], head, temperature, self._transform, return_entropy,
+                    sup[s:s + step] if sup is not None else None)
             if torch.is_grad_enabled() and hs.requires_grad:
                 lp, en = checkpoint(_head_logp, *args, use_reentrant=False)
             else:
@@ -167,7 +194,8 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, compute_dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", return_entropy: bool = False,
                    positions: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                   cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None):
+                   cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None,
+                   support: torch.Tensor | None = None):
     """log π(tokens[:, t] | tokens[:, <t]) for every position, aligned with ``tokens``.
 
     ``model`` is a Hugging Face causal LM or a :class:`PolicyForward`. Position
@@ -177,7 +205,8 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     ``temperature`` before the softmax; with ``cast_to`` the parameters are cast to that
     dtype for the forward instead (as FSDP2's mixed precision does). Gradients flow when called outside
     ``no_grad``. With ``return_entropy`` also returns the (detached) entropy
-    of the next-token distribution at each position, aligned the same way.
+    of the next-token distribution at each position, aligned the same way. ``support`` [B, L]: sampling-mask replay, log π
+    renormalised over the support each token was sampled from (:func:`support_logsumexp`).
     """
     fwd = model if isinstance(model, PolicyForward) else PolicyForward(model)
     tokens = tokens.to(device)
@@ -187,7 +216,8 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     if position_ids is not None:
         position_ids = position_ids.to(device)
     with autocast(device, compute_dtype):
-        logp, ent = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to, position_ids)
+        logp, ent = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to, position_ids,
+                        support)
     return (logp, ent) if return_entropy else logp
 
 
@@ -260,7 +290,8 @@ class Learner:
                  param_dtype: str = "fp32", micro_batch_size: int = 16, logprob_chunk: int = DEFAULT_CHUNK,
                  routing_replay: bool = False, aux_loss_coef: float = 0.0, lora_cfg=None, exact: bool = False,
                  activation_checkpointing: bool = False, micro_batch_tokens: int | None = None,
-                 packing: bool = False):
+                 packing: bool = False, quantization_aware: tuple[str, int] | None = None,
+                 replay_sampling_mask: bool = True):
         self.model_dir = Path(model_dir)
         self.dist = dist or current()
         self.device = self.dist.device if self.dist.enabled else torch.device(device)
@@ -294,6 +325,16 @@ class Learner:
                 raise UnisonError("exact mode does not take LoRA adapters yet (the engine would need the merged "
                                   "weights computed as the learner computes them): set lora.rank=0 or exact=false")
             self.exact = ExactForward(self.model)
+        #: rollout.replay_sampling_mask: log π renormalised over the support each token was sampled from
+        #: (when the batch carries it: top-p / top-k sampling on the native engine)
+        self.replay_sampling_mask = replay_sampling_mask
+        #: train.quantization_aware: the forward computes through the rollout's quantizer (unison/quant.py);
+        #: (format, group size), or None
+        self.qat = None
+        if quantization_aware is not None:
+            from unison.quant import QuantizationAware
+
+            self.qat = QuantizationAware(self.model, *quantization_aware)
         from unison import moe
 
         #: MoE: record the learner's expert choices (router disagreement); replay the rollout's
@@ -350,7 +391,9 @@ class Learner:
                    micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk,
                    routing_replay=cfg.moe.routing_replay, aux_loss_coef=cfg.moe.aux_loss_coef, lora_cfg=cfg.lora,
                    exact=cfg.exact, activation_checkpointing=t.activation_checkpointing,
-                   micro_batch_tokens=t.micro_batch_tokens, packing=t.packing)
+                   micro_batch_tokens=t.micro_batch_tokens, packing=t.packing,
+                   quantization_aware=(cfg.rollout.quantization, cfg.rollout.quant_group_size)
+                   if t.quantization_aware else None, replay_sampling_mask=cfg.rollout.replay_sampling_mask)
         self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.params = [p for p in self.forward_module.parameters() if p.requires_grad]
@@ -384,15 +427,23 @@ class Learner:
         tokens = batch.tokens[rows, :W][keep][None]
         pos = (keep.long().cumsum(-1) - 1)[keep][None]
         resp = batch.response_mask[rows, :W][keep][None]
+        support = self._support(batch, rows, W)
         dt, cast = self._numerics()
         lp, ent = token_logprobs(self.forward_module, tokens, None, self.temperature, dt, self.device,
                                  return_entropy=True, positions=resp, chunk=self.logprob_chunk, cast_to=cast,
-                                 position_ids=pos)
+                                 position_ids=pos, support=support[keep][None] if support is not None else None)
         keep = keep.to(lp.device)
         out = torch.zeros((len(rows), W), dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp[0])
         if not return_entropy:
             return out
         return out, torch.zeros_like(out).masked_scatter(keep, ent[0])
+
+    def _support(self, batch: RolloutBatch, rows: torch.Tensor, W: int) -> torch.Tensor | None:
+        """Sampling-mask replay (``rollout.replay_sampling_mask``): the support sizes the engine recorded for
+        ``rows`` (top-p / top-k sampling), or None (the full distribution)."""
+        if not self.replay_sampling_mask or "support" not in batch.extras:
+            return None
+        return batch.extras["support"][rows, :W]
 
     def _width(self, batch: RolloutBatch, rows: torch.Tensor) -> int:
         """The columns a micro-batch needs: its own longest row (right-padded layout), or the whole
@@ -407,7 +458,9 @@ class Learner:
         if self.exact is not None:  # the engine's forward, on the engine's layout, weights cast to its dtype
             from unison.exact import learner_logprobs
 
-            lp, ent = learner_logprobs(self.exact, self.exact.weights(self.compute_dtype),
+            with self.qat.swapped(self.model) if self.qat is not None else contextlib.nullcontext():
+                weights = self.exact.weights(self.compute_dtype)
+            lp, ent = learner_logprobs(self.exact, weights,
                                        batch.tokens[rows].to(self.device),
                                        batch.attention_mask[rows].to(self.device).bool(),
                                        batch.response_mask[rows].to(self.device), self.temperature,
@@ -417,7 +470,8 @@ class Learner:
         if self.packing:
             return self._packed_forward(batch, rows, W, return_entropy)
         args = (batch.tokens[rows, :W], batch.attention_mask[rows, :W], self.temperature)
-        kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.logprob_chunk)
+        kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.logprob_chunk,
+                  support=self._support(batch, rows, W))
         dt, kw["cast_to"] = self._numerics()
         if not self.moe:
             return token_logprobs(self.forward_module, *args, dt, self.device, **kw)

@@ -22,9 +22,16 @@ def check_settings(cfg: Config) -> None:
                           f"launch with `torchrun --nproc-per-node N -m unison train ...`, or remove "
                           f"the distributed section")
     check_device(cfg.device)
+    if cfg.train.quantization_aware:
+        _check_quantization_aware(cfg)
     if cfg.exact:
         _check_exact_settings(cfg)
     _check_async_settings(cfg)
+    truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k
+    if truncated and cfg.rollout.replay_sampling_mask and cfg.engine != "native":
+        raise UnisonError(f"rollout.replay_sampling_mask needs the support each token was sampled from, which "
+                          f"engine '{cfg.engine}' does not return to unison: set rollout.replay_sampling_mask=false "
+                          f"(π/μ then carries the log of the top-p/top-k kept mass), or engine=native")
 
 
 def check_device(device: str, flag: str = "device") -> None:
@@ -58,9 +65,10 @@ def _check_exact_settings(cfg: Config) -> None:
         raise UnisonError("exact mode runs in one process: launch without torchrun, or set exact=false")
     if cfg.lora.rank:
         raise UnisonError("exact mode does not take LoRA adapters yet: set lora.rank=0 or exact=false")
-    if cfg.rollout.quantization != "none":
+    if cfg.rollout.quantization != "none" and not cfg.train.quantization_aware:
         raise UnisonError(f"exact mode needs the engine to hold the learner's weights, and "
-                          f"rollout.quantization is '{cfg.rollout.quantization}': set rollout.quantization=none "
+                          f"rollout.quantization is '{cfg.rollout.quantization}': set train.quantization_aware=true "
+                          f"(the learner then computes through the same quantizer), rollout.quantization=none, "
                           f"or exact=false")
     if cfg.rollout.max_staleness:
         raise UnisonError(f"exact mode needs the engine and the learner to hold equal weights, and "
@@ -69,6 +77,18 @@ def _check_exact_settings(cfg: Config) -> None:
     if "cuda" in str(cfg.device):
         raise UnisonError("exact mode is built for CPUs: cuBLAS picks kernels by shape, and no batch-invariant "
                           "GPU route has run yet (docs/exact.md); set device=cpu or exact=false")
+
+
+def _check_quantization_aware(cfg: Config) -> None:
+    if cfg.rollout.quantization == "none":
+        raise UnisonError("train.quantization_aware needs a quantized rollout (rollout.quantization is 'none'): set "
+                          "rollout.quantization=fp8, int8 or int4, or train.quantization_aware=false")
+    if cfg.lora.rank and cfg.lora.dropout:
+        raise UnisonError(f"train.quantization_aware with LoRA quantizes the merged weight W + (α/r)·B·A, which "
+                          f"leaves no adapter input to drop out (lora.dropout={cfg.lora.dropout}): set lora.dropout=0")
+    if cfg.engine != "native":
+        raise UnisonError(f"train.quantization_aware computes through unison's own quantizer (unison/quant.py), and "
+                          f"engine '{cfg.engine}' quantizes with its own kernels: use engine=native")
 
 
 def _check_async_settings(cfg: Config) -> None:

@@ -49,6 +49,13 @@ class ProbeConfig:
     quantizations: list[str] = field(default_factory=lambda: ["none"])
     #: int4: input columns per scale
     quant_group_size: int = 64
+    #: also score every quantized arm with a quantization-aware learner (train.quantization_aware)
+    quantization_aware: bool = False
+    #: top-p values to sample with (1.0 = off): one arm each; truncated arms are scored without and with
+    #: sampling-mask replay
+    top_ps: list[float] = field(default_factory=lambda: [1.0])
+    #: top-k values (0 = off): one arm each, as top_ps
+    top_ks: list[int] = field(default_factory=lambda: [0])
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -119,6 +126,20 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
         raise UnisonError("--n and --max-new-tokens must be at least 1")
     if cfg.temperature <= 0:
         raise UnisonError(f"--temperature {cfg.temperature} is invalid: the probe needs a positive temperature")
+    if not cfg.top_ps or any(not 0.0 < p <= 1.0 for p in cfg.top_ps):
+        raise UnisonError(f"--top-p {cfg.top_ps}: every value must lie in (0, 1] (1.0 = off)")
+    if not cfg.top_ks or any(k < 0 for k in cfg.top_ks):
+        raise UnisonError(f"--top-k {cfg.top_ks}: every value must be 0 (off) or a positive integer")
+    truncated = any(p < 1.0 for p in cfg.top_ps) or any(cfg.top_ks)
+    if truncated and engines != ["native"]:
+        raise UnisonError("--top-p / --top-k rows are scored with and without sampling-mask replay, and only the "
+                          "native engine records the support it sampled from: use --engine native")
+    if truncated and cfg.exact:
+        raise UnisonError("--exact samples from the full distribution the learner scores: drop --exact, or keep "
+                          "--top-p 1.0 and --top-k 0")
+    if cfg.quantization_aware and quantizations == ["none"]:
+        raise UnisonError("--quantization-aware scores quantized arms through the quantizer: add a format with "
+                          "--quantization fp8, int8 or int4")
     bad = [p for p in cfg.param_dtypes if p not in ("fp32", "compute")] or ([] if cfg.param_dtypes else ["(empty)"])
     if bad:
         raise UnisonError(f"--param-dtype '{bad[0]}' is invalid: choose fp32, compute or both (fp32,compute)")
@@ -150,17 +171,20 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
 def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """Run every arm; return ``{"results": [...], "config": ..., "samples": ...}``.
 
-    ``samples`` (token probabilities and per-response log-ratios, for plots) is
-    not part of ``probe.json``.
+    An arm is (engine, precision, quantization, exact, top-p, top-k): one engine samples, then the
+    learner scores the same tokens once per variant — parameter dtype, with and without the quantizer
+    (``--quantization-aware``), with and without sampling-mask replay (truncated arms).
+    ``samples`` (token probabilities and per-response log-ratios, for plots) is not part of ``probe.json``.
     """
     inputs = validate(cfg)
     model_dir, precisions, engines = inputs.model_dir, inputs.precisions, inputs.engines
     prompts, prompt_ids = inputs.prompts, inputs.prompt_ids
-    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                            seed=cfg.seed)
     learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature)
     width = max(len(p) for p in prompt_ids)
-    arms = [(e, p, q, False) for e in engines for p in precisions for q in inputs.quantizations]
+    sampling = [(tp, tk) for tp in cfg.top_ps for tk in cfg.top_ks]
+    arms = [(e, p, q, False, tp, tk) for e in engines for p in precisions for q in inputs.quantizations
+            for tp, tk in sampling]
+    exact_learner = None
     if cfg.exact:
         if "native" not in engines:
             raise UnisonError("--exact needs the native engine: add native to --engine")
@@ -172,44 +196,80 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
 
         exact_ops = self_check(exact_learner.exact, {Precision.resolve(p).rollout_dtype for p in precisions},
                                width + cfg.max_new_tokens)
-        arms += [("native", p, "none", True) for p in precisions]
+        exact_quants = [q for q in inputs.quantizations if q == "none" or cfg.quantization_aware]
+        arms += [("native", p, q, True, 1.0, 0) for p in precisions for q in exact_quants]
+    qat: dict[tuple[int, str], object] = {}
+
+    def quantizer(scorer, fmt):  # one quantization-aware wrapper per (learner, format), off until scoring
+        from unison.quant import QuantizationAware
+
+        key = (id(scorer), fmt)
+        if key not in qat:
+            qat[key] = QuantizationAware(scorer.model, fmt, cfg.quant_group_size)
+            qat[key].enabled = False
+        return qat[key]
+
     results, samples, timings = [], [], []
-    for engine_name, prec_name, quant, exact in arms:
+    for engine_name, prec_name, quant, exact, top_p, top_k in arms:
         prec = Precision.resolve(prec_name)
         qtag = "" if quant == "none" else f"/{quant}"
-        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}{qtag}"
+        ttag = "".join([f"/top-p {top_p:g}" if top_p < 1.0 else "", f"/top-k {top_k}" if top_k else ""])
+        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}{qtag}{ttag}"
         log(f"[probe] {label}: loading engine ({prec.rollout}{', weights ' + quant if qtag else ''})")
         engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
                              seed=cfg.seed, exact=exact, prompt_width=width if exact else None,
                              quantization=quant, quant_group_size=cfg.quant_group_size)
-        if exact:
-            engine.exact.ops = exact_ops
-        log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
-            f"(max {cfg.max_new_tokens} new tokens)")
-        t0 = time.perf_counter()
-        completions = engine.generate(prompt_ids, params)
-        t_roll = time.perf_counter() - t0
-        batch = collate(completions, engine.pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
+        try:  # the engine is closed before scoring, whatever happens (a GPU engine holds its memory until then)
+            pad_id = engine.pad_id
+            if exact:
+                engine.exact.ops = exact_ops
+            params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                                    seed=cfg.seed, top_p=top_p, top_k=top_k)
+            log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
+                f"(max {cfg.max_new_tokens} new tokens)")
+            t0 = time.perf_counter()
+            completions = engine.generate(prompt_ids, params)
+            t_roll = time.perf_counter() - t0
+        finally:
+            engine.close()
+            del engine
+        batch = collate(completions, pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
         scorer = exact_learner if exact else learner
         scorer.compute_dtype = prec.learner_dtype
         mask = batch.response_mask
-        for pd in (["compute"] if exact else cfg.param_dtypes):
+        truncated = top_p < 1.0 or bool(top_k)
+        variants = [(pd, qa, rp) for pd in (["compute"] if exact else cfg.param_dtypes)
+                    for qa in ([True] if exact and quant != "none" else
+                               [False, True] if cfg.quantization_aware and quant != "none" else [False])
+                    for rp in ([False, True] if truncated else [False])]
+        for pd, qa, replay in variants:
+            vtag = "".join([", quantization-aware" if qa else "", ", sampling-mask replay" if replay else ""])
             log(f"[probe] {label}: scoring {batch.num_response_tokens} tokens with the learner "
-                f"(parameters: {pd})")
+                f"(parameters: {pd}{vtag})")
             scorer.cast_params = pd == "compute" and prec.learner_dtype != torch.float32
             scorer.routing_replay = False
-            t0 = time.perf_counter()
-            logp_pi = scorer.score(batch)
-            t_score = time.perf_counter() - t0
-            metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
-            if scorer.moe and "routing" in batch.extras:  # MoE: routing flips, and replaying them
-                metrics["mismatch/router_disagreement"] = moe.disagreement(
-                    batch.extras["routing"], scorer.last_routing, mask)
-                scorer.routing_replay = True
-                replayed = mismatch_metrics(scorer.score(batch), batch.logp_mu, mask)
-                scorer.routing_replay = False
-                for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
-                    metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
+            scorer.replay_sampling_mask = replay
+            wrapper = quantizer(scorer, quant) if qa else None
+            scorer.qat = wrapper
+            if wrapper is not None:
+                wrapper.enabled = True
+            try:
+                t0 = time.perf_counter()
+                logp_pi = scorer.score(batch)
+                t_score = time.perf_counter() - t0
+                metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
+                if scorer.moe and "routing" in batch.extras:  # MoE: routing flips, and replaying them
+                    metrics["mismatch/router_disagreement"] = moe.disagreement(
+                        batch.extras["routing"], scorer.last_routing, mask)
+                    scorer.routing_replay = True
+                    replayed = mismatch_metrics(scorer.score(batch), batch.logp_mu, mask)
+                    scorer.routing_replay = False
+                    for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
+                        metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
+            finally:
+                if wrapper is not None:
+                    wrapper.enabled = False
+                scorer.qat, scorer.replay_sampling_mask = None, True
             seq_lr = seq_log_ratio(logp_pi, batch.logp_mu, mask)
             lengths = batch.response_lens
             results.append({
@@ -218,6 +278,10 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                 "quantization": quant,
                 "param_dtype": pd,
                 "exact": exact,
+                "quantization_aware": qa,
+                "top_p": top_p,
+                "top_k": top_k,
+                "replay_sampling_mask": replay,
                 **metrics,
                 "num_responses": batch.size,
                 "mean_response_length": float(lengths.float().mean()),
@@ -225,14 +289,14 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                 "seq_log_ratio_slope_per_1k": length_slope(seq_lr, lengths),
             })
             sel = mask.bool()
+            tag = qtag + ("/QAT" if qa else "") + ttag + ("/replay" if replay else "")
             samples.append({"engine": engine_name + ("-exact" if exact else ""),
-                            "precision": (prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}") + qtag,
+                            "precision": (prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}") + tag,
                             "p_pi": logp_pi[sel].exp().tolist(), "p_mu": batch.logp_mu[sel].exp().tolist(),
                             "seq_log_ratio": seq_lr.tolist(), "lengths": lengths.tolist()})
             timings.append({"engine": engine_name, "precision": prec.label, "quantization": quant, "rollout_s": t_roll,
                             "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
                             "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
-        del engine
     config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
               "precisions": precisions, "engines": engines, "quantizations": inputs.quantizations,
               "num_prompts": len(prompts)}
@@ -278,6 +342,14 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
     quantized = any(r.get("quantization", "none") != "none" for r in results)
     if quantized:
         cols.append(("weights", "quantization"))
+    if any(r.get("quantization_aware") for r in results):
+        cols.append(("QAT", "quantization_aware"))
+    if any(r.get("top_p", 1.0) < 1.0 for r in results):
+        cols.append(("top-p", "top_p"))
+    if any(r.get("top_k") for r in results):
+        cols.append(("top-k", "top_k"))
+    if any(r.get("replay_sampling_mask") for r in results):
+        cols.append(("replay", "replay_sampling_mask"))
     cols += [("tokens", "mismatch/num_tokens"),
              ("mean len", "mean_response_length"), ("token k3", "mismatch/k3"),
              ("seq KL", "mismatch/seq_kl"), ("seq KL (k3)", "mismatch/seq_kl_k3"), ("mean |π−μ|", "mismatch/prob_diff_mean"),

@@ -27,6 +27,7 @@ saved): the point here is the numerics; the speed of low-bit kernels is a GPU pr
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,132 @@ def fake_quantize(w: torch.Tensor, fmt: str, dtype: torch.dtype, in_dim: int = -
     return quantize(w, fmt, in_dim, group_size).dequantize(dtype)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """``fake_quantize(w)`` forward (bit for bit what the engine holds), identity backward: the
+    straight-through estimator, so the gradient reaches the fp32 master unchanged."""
+
+    @staticmethod
+    def forward(ctx, w, fmt, in_dim, group_size):
+        return fake_quantize(w, fmt, w.dtype, in_dim, group_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def straight_through(w: torch.Tensor, fmt: str, in_dim: int = -1, group_size: int = DEFAULT_GROUP) -> torch.Tensor:
+    """``fake_quantize(w)`` in ``w``'s dtype with a straight-through gradient (d out / d w = identity)."""
+    return _StraightThrough.apply(w, fmt, in_dim, group_size)
+
+
+class QuantizationAware:
+    """``train.quantization_aware``: the learner's forward computes through the rollout's quantizer.
+
+    Every weight the engine quantizes (:func:`targets`) is replaced, inside the forward of the module
+    that owns it, by :func:`straight_through` of itself — the same function and group size the engine
+    applies at every sync, so π is the quantized policy μ samples from, and the gradient goes straight
+    through to the fp32 master. The parameters, their names, the optimizer state and the checkpoints
+    stay the masters: nothing but the forward changes. The swap happens in a forward pre-hook of the
+    owning module and is undone by its forward hook, so under FSDP2 it sees the weight FSDP has just
+    gathered for that module (the gathered weight is what is quantized), and activation checkpointing
+    recomputes it in the backward.
+
+    LoRA (PEFT): the engine samples with the merged weight W + (α/r)·B·A quantized, so an adapted
+    layer computes ``F.linear(x, Q(W + (α/r)·B·A), bias)``: the base weight and the adapters are merged
+    in fp32 and quantized together (QeRL instead keeps the adapters outside the quantized base; that
+    is not what this engine samples from). The gradient reaches A and B through the merge.
+
+    ``enabled`` switches it off and on (the mismatch ledger scores with and without the quantizer).
+    """
+
+    def __init__(self, model: torch.nn.Module, fmt: str, group_size: int = DEFAULT_GROUP):
+        self.fmt, self.group_size, self.enabled = fmt, group_size, True
+        lora_layers = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+        inside_lora = {id(x) for m in lora_layers.values() for x in m.modules()}
+        modules = dict(model.named_modules())
+        owners: dict[str, list[tuple[str, int]]] = {}
+        found = targets(model)
+        for t in found:
+            mname, pname = t.name.rsplit(".", 1)
+            if id(modules[mname]) in inside_lora:
+                continue  # an adapter's own Linear, or the base layer it merges into: the LoRA layer does both
+            owners.setdefault(mname, []).append((pname, t.in_dim))
+        kept = [t for t in found if t.name.rsplit(".", 1)[0] in owners]
+        kept += [Target(f"{n}.base_layer.weight", -1) for n in lora_layers]
+        check_targets(model, fmt, group_size, kept)
+        #: (module name, parameter name, input dim) of every weight quantized on its own
+        self.params = [(m, p, d) for m, ps in owners.items() for p, d in ps]
+        #: the LoRA layers whose merged weight is quantized
+        self.lora = sorted(lora_layers)
+        self._saved: dict[int, list] = {}
+        self._handles = []
+        for mname, params in owners.items():
+            mod = modules[mname]
+            self._handles.append(mod.register_forward_pre_hook(self._pre(params)))
+            self._handles.append(mod.register_forward_hook(self._post, always_call=True))
+        for layer in lora_layers.values():
+            layer.forward = self._lora_forward(layer, layer.forward)
+
+    def _pre(self, params):
+        def hook(mod, args):
+            self._post(mod, args, None)  # nothing left over from a forward that raised
+            if not self.enabled:
+                return
+            saved = []
+            for pname, in_dim in params:
+                w = mod._parameters[pname]
+                saved.append((pname, w))
+                mod._parameters[pname] = straight_through(w, self.fmt, in_dim, self.group_size)
+            self._saved[id(mod)] = saved
+        return hook
+
+    def _post(self, mod, args, output):
+        for pname, w in self._saved.pop(id(mod), []):
+            mod._parameters[pname] = w
+
+    def _lora_forward(self, layer, original):
+        import torch.nn.functional as F
+
+        def forward(x, *args, **kwargs):
+            if not self.enabled:
+                return original(x, *args, **kwargs)
+            from unison.lora import ADAPTER
+
+            base = layer.base_layer
+            merged = base.weight + (layer.lora_B[ADAPTER].weight @ layer.lora_A[ADAPTER].weight) * layer.scaling[ADAPTER]
+            return F.linear(x, straight_through(merged, self.fmt, -1, self.group_size), base.bias)
+        return forward
+
+    @contextmanager
+    def swapped(self, model: torch.nn.Module):
+        """Every quantized weight replaced at once for the duration (exact mode reads the weights outside
+        the modules' forwards; one process, no LoRA)."""
+        if self.lora:
+            raise UnisonError("exact mode does not take LoRA adapters: set lora.rank=0 or exact=false")
+        modules = dict(model.named_modules())
+        saved = []
+        try:
+            if self.enabled:
+                for mname, pname, in_dim in self.params:
+                    mod = modules[mname]
+                    w = mod._parameters[pname]
+                    saved.append((mod, pname, w))
+                    mod._parameters[pname] = straight_through(w, self.fmt, in_dim, self.group_size)
+            yield
+        finally:
+            for mod, pname, w in reversed(saved):
+                mod._parameters[pname] = w
+
+    @contextmanager
+    def set(self, enabled: bool):
+        """Score with (``True``) or without the quantizer for the duration."""
+        before, self.enabled = self.enabled, enabled
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+
 def targets(model: torch.nn.Module) -> list[Target]:
     """The weights a quantized rollout quantizes (see the module docstring), in module order."""
     from unison import moe
@@ -146,10 +273,10 @@ def _linear_layout(name: str, shape, hidden: int) -> bool:
     return shape[-1] == hidden if "down" not in name else shape[-2] == hidden
 
 
-def check_targets(model: torch.nn.Module, fmt: str, group_size: int) -> list[Target]:
-    """The model's targets, refusing in one line a format the model or this torch cannot take."""
+def check_targets(model: torch.nn.Module, fmt: str, group_size: int, found: list[Target] | None = None) -> list[Target]:
+    """The model's targets (or ``found``), refusing in one line a format the model or this torch cannot take."""
     check_format_available(fmt)
-    found = targets(model)
+    found = targets(model) if found is None else found
     if not found:
         raise UnisonError(f"rollout.quantization {fmt}: found no linear weights inside the decoder layers of "
                           f"{type(model).__name__}: set rollout.quantization=none for this model")
@@ -172,14 +299,15 @@ MEASURED_K3 = {"fp8": "≈ 7e-4 (tiny model) to 2e-2 (SmolLM2-135M)", "int8": "�
 MEASURED_EFFECT = {"int4": "; in unison's experiment uncorrected GRPO fell from 0.81 to 0.58 training accuracy at int4"}
 
 
-def quantization_warning(fmt: str, policy: dict) -> str | None:
+def quantization_warning(fmt: str, policy: dict, quantization_aware: bool = False) -> str | None:
     """One start-up line when a quantized rollout runs without any correction (the algorithm is
-    never changed silently); None when a correction or a self-correcting loss is in place."""
+    never changed silently); None when the learner is quantization-aware, or a correction or a
+    self-correcting loss is in place."""
     from unison.algorithms.losses import SELF_CORRECTING
 
-    if fmt == "none" or policy.get("correction") != "none" or policy.get("loss") in SELF_CORRECTING:
+    if fmt == "none" or quantization_aware or policy.get("correction") != "none" or policy.get("loss") in SELF_CORRECTING:
         return None
     return (f"rollout.quantization={fmt} with policy.correction=none: {fmt} rollout weights put the "
             f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe){MEASURED_EFFECT.get(fmt, '')}, "
-            f"and peers report uncorrected GRPO degrading there (verl, FlashRL); consider algo=grpo_token_tis or gspo, "
-            f"or policy.correction=token_tis")
+            f"and peers report uncorrected GRPO degrading there (verl, FlashRL); consider train.quantization_aware=true "
+            f"(the learner computes through the same quantizer: π = μ), or algo=gspo, grpo_icepop or grpo_token_tis")

@@ -125,7 +125,7 @@ class Trainer:
 
     def _announce(self) -> None:
         cfg, t, r = self.cfg, self.cfg.train, self.cfg.rollout
-        warning = quantization_warning(r.quantization, self.policy)
+        warning = quantization_warning(r.quantization, self.policy, t.quantization_aware)
         if warning:
             self.log(f"[train] WARNING {warning}")
         if self.learner.packing_note:

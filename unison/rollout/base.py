@@ -138,26 +138,35 @@ def row_uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor,
-                  t: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  t: int, return_support: bool = False):
     """Sample one token per row from ``logits`` [b, V] for decode step ``t``.
 
     ``seeds`` [b] (int64) are the rows' seeds (:func:`row_seeds`). Inverse-CDF
     sampling with the row's own uniform: the draw of a row never depends on
     the other rows. Returns ``(tokens [b], logp [b])`` where ``logp`` is the
     log-probability of the sampled token under the distribution it was drawn
-    from, computed in fp32.
+    from, computed in fp32. With ``return_support`` also the size of the support each row
+    sampled from, [b] int (0 = the whole vocabulary: no top-p / top-k): under truncation the kept
+    set is always the c most probable tokens, so its size c is the whole record the learner needs
+    to renormalise over it (sampling-mask replay, ``rollout.replay_sampling_mask``).
     """
     logits = logits.float()
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
-        return tokens, torch.zeros_like(tokens, dtype=torch.float32)
+        zeros = torch.zeros_like(tokens, dtype=torch.float32)
+        return (tokens, zeros, torch.zeros_like(tokens)) if return_support else (tokens, zeros)
     logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    if params.top_k or params.top_p < 1.0:
+    truncated = bool(params.top_k or params.top_p < 1.0)
+    if truncated:
         logp = _truncate(logp, params.top_k, params.top_p)
     cdf = logp.double().exp().cumsum(-1)
     u = row_uniforms(seeds.to(cdf.device), t) * cdf[:, -1]
     tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    out = tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if not return_support:
+        return out
+    kept = torch.isfinite(logp).sum(-1) if truncated else torch.zeros_like(tokens)
+    return (*out, kept)
 
 
 def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

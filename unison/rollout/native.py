@@ -64,10 +64,7 @@ class NativeEngine:
         #: rollout.quantization (unison/quant.py): these weights hold quantize→dequantize of what is loaded
         self.quantization, self.quant_group_size = quantization, quant_group_size
         self._quant: dict[str, int] = {}
-        if quantization != "none":
-            if exact:
-                raise UnisonError("exact mode needs the engine to hold the learner's weights: set "
-                                  "rollout.quantization=none or exact=false")
+        if quantization != "none":  # (exact mode with it: only with a quantization-aware learner, preflight)
             self._quant = {t.name: t.in_dim for t in check_targets(self.model, quantization, quant_group_size)}
             self.load_weights((n, self._params[n].detach().float()) for n in list(self._quant))
         eos = self.model.generation_config.eos_token_id
@@ -173,13 +170,17 @@ class NativeEngine:
 
         out_tokens = torch.zeros((B, T), dtype=torch.long, device=dev)
         out_logp = torch.zeros((B, T), dtype=torch.float32, device=dev)
+        truncated = params.temperature > 0 and bool(params.top_k or params.top_p < 1.0)
+        out_support = torch.zeros((B, T), dtype=torch.long, device=dev) if truncated else None
         lengths = torch.zeros(B, dtype=torch.long)
         finish = ["length"] * B
         active = torch.arange(B, device=dev)  # original row of each live batch slot
         eos = torch.tensor([] if params.ignore_eos else self.eos_ids, dtype=torch.long, device=dev)
         next_pos = pos[:, -1] + 1
         for t in range(T):
-            tok, lp = sample_tokens(logits, params, seeds[active], t)
+            tok, lp, kept = sample_tokens(logits, params, seeds[active], t, return_support=True)
+            if out_support is not None:
+                out_support[active, t] = kept
             if self.exact is not None:  # the learner's formula, on the same logits
                 lp = torch.zeros_like(lp) if params.temperature == 0 else \
                     self.exact.ops.token_logp(logits, tok, params.temperature)
@@ -201,11 +202,13 @@ class NativeEngine:
             next_pos = next_pos + 1
 
         toks, lps = out_tokens.cpu(), out_logp.cpu()
+        sup = out_support.cpu() if out_support is not None else None
         return [
             Completion(prompt_ids=p, token_ids=toks[b, :lengths[b]].tolist(),
                        logprobs=lps[b, :lengths[b]].tolist(), finish_reason=finish[b],
                        prompt_index=pi, sample_index=si,
-                       routing=_row_routing(routing[b], len(p) + int(lengths[b]) - 1) if routing else None)
+                       routing=_row_routing(routing[b], len(p) + int(lengths[b]) - 1) if routing else None,
+                       support=sup[b, :lengths[b]].tolist() if sup is not None else None)
             for b, (pi, si, p) in enumerate(rows)
         ]
 
