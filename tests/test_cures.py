@@ -299,7 +299,7 @@ def test_quantization_aware_bad_input_is_refused_before_writing(tmp_path):
 
 # ------------------------------------------------------------------ sampling-mask replay
 def test_support_logsumexp_by_hand():
-    from unison.learner import support_logsumexp
+    from unison.rollout.base import support_logsumexp
 
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.5, 0.4, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
     # row 0: top-2 {3, 2}; row 1: top-1 {2.0} but the target (index 3, logit 1.0) ranks below it: it takes the

@@ -387,8 +387,15 @@ class MismatchConfig(_Section):
     #: every N steps, split the mismatch of off-policy samples into numerics and staleness
     #: (``mismatch/numeric_k3``: μ vs the learner under the weights that generated the sample;
     #: ``mismatch/staleness_k3``: those weights vs π_old) — one extra score pass per older version in
-    #: the batch (≈ one forward more on that step); 0 = off. Free when every sample is on-policy
+    #: the batch (≈ one forward more on that step); 0 = off. Free when every sample is on-policy.
+    #: The mismatch ledger (below) runs on the same steps
     decompose_every: int = Field(10, ge=0)
+    #: the mismatch ledger (docs/ledger.md): on decompose steps the sampled tokens are scored along a chain
+    #: from log μ to log π_old — decode, engine, quantization, truncation, routing, staleness — whose k1 terms
+    #: add up to mismatch/k1 (``ledger/<term>_k1``, ``_k3``, a console line, a plot; a stale engine warns).
+    #: auto: every term this run can measure (the others merged into a neighbour, said at start) | on: refuse
+    #: a run in which a term cannot be measured | off: no ledger. One scoring pass per term present
+    ledger: Literal["auto", "on", "off"] = "auto"
 
 
 class LogConfig(_Section):

@@ -47,6 +47,7 @@ from unison.errors import UnisonError
 from unison.models import (PACKED_ATTENTION, load_model, load_tokenizer, model_shell, packed_forward, packed_kwargs,
                             use_packed_attention)
 from unison.precision import Precision, autocast
+from unison.rollout.base import support_logsumexp
 
 #: positions per chunk of the output layer (``train.logprob_chunk``'s default)
 DEFAULT_CHUNK = 512
@@ -66,26 +67,6 @@ def _logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
     if isinstance(granite, (int, float)) and granite != 1:
         return lambda z: z / granite
     return None
-
-
-def support_logsumexp(logits: torch.Tensor, targets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """logsumexp of each row's logits over the support it was sampled from: its ``sizes[i]`` largest
-    (sampling-mask replay; 0 = every logit). Top-k and top-p both keep the c most probable tokens, so c
-    is the whole record. The target always counts: where it ranks just below the c-th (a near-tie that
-    this forward orders differently from the sampler's), it takes the c-th's place."""
-    full = torch.logsumexp(logits, dim=-1)
-    trunc = sizes > 0
-    if not bool(trunc.any()):
-        return full
-    rows = trunc.nonzero().squeeze(-1)
-    lg, c = logits[rows], sizes[rows].to(logits.device)
-    top = torch.topk(lg, int(c.max()), dim=-1).values  # [n, k], descending
-    cols = torch.arange(top.shape[1], device=lg.device)[None, :]
-    tgt = lg.gather(-1, targets[rows][:, None])
-    last = (cols == (c - 1)[:, None])
-    swap = last & (tgt < top.gather(-1, (c - 1)[:, None]))
-    vals = torch.where(swap, tgt, top).masked_fill(cols >= c[:, None], float("-inf"))
-    return full.index_put((rows,), torch.logsumexp(vals, dim=-1))
 
 
 def _head_logp(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float,

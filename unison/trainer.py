@@ -99,6 +99,7 @@ class Trainer:
 
             ops = self_check(self.learner.exact, {self.prec.rollout_dtype, self.prec.learner_dtype}, self.layout[1])
             self.engine.exact.ops = ops
+        self.ledger = self._make_ledger(model_dir)
         self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass)
         self.correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
         self.schedule = make_schedule(cfg.train, asynchronous=cfg.rollout.max_staleness > 0)
@@ -123,6 +124,54 @@ class Trainer:
                            quantization=cfg.rollout.quantization,
                            quant_group_size=cfg.rollout.quant_group_size, **vopts)
 
+    def _make_ledger(self, model_dir):
+        """The mismatch ledger (unison/ledger.py) for this run's engine and learner, or None (off, exact mode)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if cfg.mismatch.ledger == "off" or self.layout is not None or not cfg.mismatch.decompose_every:
+            return None
+        from unison import ledger
+
+        rescore, why = self._rescorer(model_dir)
+        keeps_old = self.source.max_staleness == 0 or self.source.weights(0) is not None
+        p = ledger.plan(quantized=r.quantization != "none", quantization_aware=cfg.train.quantization_aware,
+                        truncated=r.top_p < 1.0 or bool(r.top_k), replay_support=r.replay_sampling_mask,
+                        moe=self.learner.moe, routing_replay=self.learner.routing_replay,
+                        asynchronous=r.max_staleness > 0, can_rescore=why,
+                        can_score_old=self.learner.can_score_other_weights and keeps_old)
+        if cfg.mismatch.ledger == "on" and p.unmeasured:
+            term, reason = next(iter(p.unmeasured.items()))
+            raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "
+                              f"set mismatch.ledger=auto (that term is then merged into its neighbour) or off")
+        return ledger.Ledger(self.learner, p, r.quantization, r.quant_group_size, rescore=rescore,
+                             weights=self.source.weights)
+
+    def _rescorer(self, model_dir):
+        """``(fn(batch, version) -> log μ by a prefill pass of the engine, None)``, or ``(None, why not)``."""
+        from unison.rollout import SamplingParams
+        from unison.rollout.native import NativeEngine
+
+        r = self.cfg.rollout
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        engine = self.source.engine
+        if isinstance(engine, NativeEngine):  # synchronous: it still holds the weights it sampled with
+            return (lambda batch, version: engine.score(batch, params)), None
+        if self.source.max_staleness and self.cfg.engine == "native":  # the worker's engine, rebuilt here
+            holder = {}
+
+            def rescore(batch, version):
+                if "engine" not in holder:
+                    holder["engine"] = NativeEngine(model_dir, self.prec.rollout_dtype, str(self.learner.device),
+                                                    quantization=r.quantization, quant_group_size=r.quant_group_size)
+                    holder["version"] = None
+                eng = holder["engine"]
+                if holder["version"] != version:
+                    eng.load_weights(self.source.weights(version).items())
+                    holder["version"] = version
+                return eng.score(batch, params)
+
+            return rescore, None
+        return None, f"engine {self.cfg.engine} ({self.cfg.vllm.mode}) does not re-score its samples for unison"
+
     def _announce(self) -> None:
         cfg, t, r = self.cfg, self.cfg.train, self.cfg.rollout
         warning = quantization_warning(r.quantization, self.policy, t.quantization_aware)
@@ -139,6 +188,11 @@ class Trainer:
                  f"precision {self.prec.label}"
                  f"{'' if r.quantization == 'none' else f', rollout weights {r.quantization}'}, engine {cfg.engine}"
                  f"{ahead}, world size {self.dist.world_size}")
+        if self.ledger is not None:
+            p = self.ledger.plan
+            missing = "".join(f"; {t} not measured ({why}), merged into its neighbour" for t, why in p.unmeasured.items())
+            self.log(f"[train] mismatch ledger every {cfg.mismatch.decompose_every} steps: {', '.join(p.measured)}"
+                     f"{missing} (mismatch.ledger)")
         if self.task.name == "math":
             self.log(f"[train] math prompts: task.template {cfg.task.template!r}")
         if getattr(self.tokenizer, "chat_template", None) is None and self.task.name in ("math", "jsonl"):
@@ -260,29 +314,50 @@ class Trainer:
                                                                   learner_routing[rows], mask[rows])
         stale = (step - batch.version).float()
         lengths = batch.response_lens.float()
-        return {**mm, **cmetrics, **self._mismatch_split(batch, rows, logp_pi, step),
+        return {**mm, **cmetrics, **self._ledger_metrics(batch, rows, logp_pi, step),
+                **self._mismatch_split(batch, rows, logp_pi, step),
                 "staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
                 "reward/trained_mean": float(batch.rewards.mean()),
                 "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
                 "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
                 "response/truncated_fraction": float(batch.truncated.float().mean())}
 
+    def _decompose_due(self, step: int) -> bool:
+        every = 1 if getattr(self.schedule, "metric", None) == "mismatch/staleness_k3" \
+            else self.cfg.mismatch.decompose_every  # the mismatch budget reads the split every step
+        return bool(every) and (step + 1) % every == 0
+
+    def _ledger_metrics(self, batch, rows, logp_pi, step: int) -> dict:
+        """The mismatch ledger of this step's batch (unison/ledger.py), on decompose steps, with its console
+        line; warns once about a stale engine."""
+        if self.ledger is None or not self._decompose_due(step) or (step + 1) % self.cfg.mismatch.decompose_every:
+            return {}
+        from unison.ledger import shares
+
+        t0 = time.perf_counter()
+        m = self.ledger.measure(batch.select(rows), logp_pi[rows], step)
+        m["time/ledger_s"] = time.perf_counter() - t0
+        if self.cfg.log.console:
+            self.log(f"[train] step {step + 1} {shares(m)}")
+        self.ledger.check_stale(m, self.log)
+        return m
+
     def _mismatch_split(self, batch, rows, logp_pi, step: int) -> dict:
         """``numeric``: μ against the learner under the weights that sampled (same version, other
         numerics); ``staleness``: those weights against π_old. log π_old − log μ is exactly the sum of
         the two log-ratios, so k1 adds up; k3 adds up to a cross term (docs/async.md)."""
-        every = 1 if getattr(self.schedule, "metric", None) == "mismatch/staleness_k3" \
-            else self.cfg.mismatch.decompose_every  # the mismatch budget reads the split every step
-        if not every or (step + 1) % every:
+        if not self._decompose_due(step):
             return {}
         mu, mask, v = batch.logp_mu[rows], batch.response_mask[rows], batch.version[rows]
-        behave = logp_pi[rows].clone()
-        for u in sorted(set(v.tolist()) - {step}):
-            weights = self.source.weights(u) if self.learner.can_score_other_weights else None
-            if weights is None:
-                return {}
-            sel = (v == u).nonzero().squeeze(-1)
-            behave[sel] = self.learner.score(batch.select(rows[sel]), weights=weights)
+        behave = self.ledger.behave(step) if self.ledger is not None else None  # the ledger scored them already
+        if behave is None:
+            behave = logp_pi[rows].clone()
+            for u in sorted(set(v.tolist()) - {step}):
+                weights = self.source.weights(u) if self.learner.can_score_other_weights else None
+                if weights is None:
+                    return {}
+                sel = (v == u).nonzero().squeeze(-1)
+                behave[sel] = self.learner.score(batch.select(rows[sel]), weights=weights)
         return {"mismatch/numeric_k3": float(k3(behave, mu, mask)),
                 "mismatch/staleness_k3": float(k3(logp_pi[rows], behave, mask)),
                 "mismatch/numeric_k1": float(k1(behave, mu, mask)),

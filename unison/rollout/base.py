@@ -182,3 +182,23 @@ def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logp = logp.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logp, dim=-1)
+
+
+def support_logsumexp(logits: torch.Tensor, targets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row's logits over the support it was sampled from: its ``sizes[i]`` largest
+    (sampling-mask replay; 0 = every logit). Top-k and top-p both keep the c most probable tokens, so c
+    is the whole record. The target always counts: where it ranks just below the c-th (a near-tie that
+    this forward orders differently from the sampler's), it takes the c-th's place."""
+    full = torch.logsumexp(logits, dim=-1)
+    trunc = sizes > 0
+    if not bool(trunc.any()):
+        return full
+    rows = trunc.nonzero().squeeze(-1)
+    lg, c = logits[rows], sizes[rows].to(logits.device)
+    top = torch.topk(lg, int(c.max()), dim=-1).values  # [n, k], descending
+    cols = torch.arange(top.shape[1], device=lg.device)[None, :]
+    tgt = lg.gather(-1, targets[rows][:, None])
+    last = (cols == (c - 1)[:, None])
+    swap = last & (tgt < top.gather(-1, (c - 1)[:, None]))
+    vals = torch.where(swap, tgt, top).masked_fill(cols >= c[:, None], float("-inf"))
+    return full.index_put((rows,), torch.logsumexp(vals, dim=-1))

@@ -212,6 +212,58 @@ class NativeEngine:
             for b, (pi, si, p) in enumerate(rows)
         ]
 
+    @torch.no_grad()
+    def score(self, batch, params: SamplingParams, rows_per_pass: int = 8) -> torch.Tensor:
+        """log μ of every response token of ``batch`` ([B, L], aligned with ``batch.tokens``, 0 elsewhere),
+        re-scored by this engine in one **prefill** pass per chunk of rows: its own weights (quantized when
+        it samples quantized), dtype and prefill path — no KV cache carried from one token to the next —
+        at ``params.temperature``, renormalised over the support each token was sampled from when the batch
+        carries it (top-p / top-k). Against the log μ recorded while decoding it isolates what the decode
+        path (caches, decode kernels) adds: the mismatch ledger's *decode* term."""
+        if self.exact is not None:
+            raise UnisonError("exact mode decodes and scores with one forward: there is no decode term to measure")
+        from unison.rollout.base import support_logsumexp
+
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        support = batch.extras.get("support")
+        for lo in range(0, batch.size, rows_per_pass):
+            rows = slice(lo, min(lo + rows_per_pass, batch.size))
+            ids, key_ok = batch.tokens[rows].to(self.device), batch.attention_mask[rows].to(self.device).bool()
+            resp = batch.response_mask[rows].bool()
+            if not bool(resp.any()):
+                continue
+            B, L = ids.shape
+            self._check_context(L, 1)
+            pos = (key_ok.long().cumsum(-1) - 1).clamp(min=0)
+            want = torch.zeros_like(resp)
+            want[:, :-1] = resp[:, 1:]  # the hidden state at t predicts token t + 1
+            h = self._backend(B, L, 0).hidden(ids, key_ok, pos, want.to(self.device))  # [n, d], rows of `want`
+            logits = self._head(h).float()
+            if params.temperature != 1.0:
+                logits = logits / params.temperature
+            targets = ids[:, 1:][resp[:, 1:].to(self.device)]
+            sizes = support[rows][:, 1:][resp[:, 1:]] if support is not None else torch.zeros_like(targets)
+            lse = support_logsumexp(logits, targets, sizes.to(self.device))
+            lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+            block = torch.zeros((B, L), dtype=torch.float32)
+            block[resp] = lp.cpu()
+            out[rows] = block
+        return out
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The output layer (and the model's own logit transform) on final hidden states."""
+        logits = self.model.get_output_embeddings()(h)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        scale = getattr(self.config, "logit_scale", None)
+        granite = getattr(self.config, "logits_scaling", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        elif isinstance(scale, (int, float)) and scale != 1:
+            logits = logits * scale
+        elif isinstance(granite, (int, float)) and granite != 1:
+            logits = logits / granite
+        return logits
+
     def _backend(self, B: int, P: int, T: int):
         if self.exact is not None:
             return _ExactBackend(self, B, P, T)
@@ -287,9 +339,19 @@ class _FastBackend(_CacheBackend):
         self.key_ok[:, P + t] = True
         return self._forward(tok[:, None], pos[:, None], start=P + t, mask=self.key_ok[:, None, None, :P + t + 1])
 
-    def _forward(self, ids, pos, start: int, mask):
+    def hidden(self, ids, key_ok, pos, want):
+        """The prefill of a whole (right- or left-padded) sequence, as :meth:`prefill` computes it: the
+        final-normed hidden states at the positions ``want`` marks, [n, d]."""
+        P, dev = self.P, self.eng.device
+        self.key_ok[:, :P] = key_ok
+        causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+        mask = (causal[None] & key_ok[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
+        return self._forward(ids, pos, start=0, mask=mask[:, None], want=want)
+
+    def _forward(self, ids, pos, start: int, mask, want=None):
         """``ids`` [b, s] at positions ``pos`` through the decoder, K/V written at ``start``;
-        the logits of the last position [b, V]."""
+        the logits of the last position [b, V] (with ``want`` [b, s]: the final-normed hidden states of
+        those positions instead, [n, d])."""
         eng = self.eng
         core = eng.model.model
         h = core.embed_tokens(ids)
@@ -313,6 +375,8 @@ class _FastBackend(_CacheBackend):
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
             gate, up = F.linear(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        if want is not None:
+            return core.norm(h[want])
         h = core.norm(h[:, -1])
         return eng.model.lm_head(h)
 
@@ -373,6 +437,12 @@ class _GenericBackend:
         out = self.eng.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
                              use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
+
+    def hidden(self, ids, key_ok, pos, want):
+        """The model's own forward over whole sequences, no cache: the final hidden states at ``want``."""
+        out = self.eng.model.base_model(input_ids=ids, attention_mask=key_ok.long(), position_ids=pos, use_cache=False)
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return h[want]
 
 
 def check_request(config, prompt_len: int, max_tokens: int) -> None:

@@ -1,0 +1,208 @@
+"""The mismatch ledger: where a step's training–inference mismatch comes from.
+
+The sampled tokens are scored along a chain of log-probabilities that starts at the rollout engine's
+own log μ and ends at the learner's log π_old, changing one thing at a time:
+
+    log μ (decode)                                 the engine as it sampled: decode path, KV cache
+      -> the engine, one prefill pass              decode:       caches and decode kernels vs prefill
+      -> the learner, as the engine ran            engine:       the learner's forward vs the engine's, same
+                                                                 version, quantizer, support and routing
+      -> without the quantizer                     quantization: the rollout's weight format (absent when
+                                                                 the learner is quantization-aware)
+      -> over the whole vocabulary                 truncation:   the log-mass outside the top-p/top-k support
+                                                                 (absent with sampling-mask replay)
+      -> with the learner's own routing            routing:      MoE expert choices (absent with routing replay)
+      -> at the current version  = log π_old       staleness:    the updates since the sample was drawn
+
+Adjacent log-ratios telescope, so the k1 terms ``mean(log p_prev − log p_next)`` add up exactly (to fp32
+rounding of the means) to the total ``mismatch/k1 = mean(log μ − log π_old)``. Each term is also given
+as the k3 of its pair (non-negative; they add up to the total k3 only up to cross terms). A term that
+does not differ in this run is absent (zero, no scoring pass); one that cannot be measured here (an engine
+that cannot re-score, older weights that are not kept) is merged into its neighbour and named in
+``unmeasured``. Cost: one scoring pass per term present, on the steps the ledger runs.
+
+No framework measures this: each logs one aggregate number, and the root-causing is done by hand with
+single-knob A/B runs. A *decode* term far above the engine term is the signature of a stale engine — a
+prefix or KV cache that outlived a weight sync — and the trainer warns about it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from unison.errors import UnisonError
+from unison.mismatch import k1, k3
+
+TERMS = ("decode", "engine", "quantization", "truncation", "routing", "staleness")
+
+#: the stale-engine rule (docs/ledger.md, measured): a decode term whose k3 exceeds this absolute level **and**
+#: this multiple of the engine term is not a kernel difference. On the tiny model the decode path differs from
+#: a prefill pass by k3 ≈ 8e-13 (fp32) and ≈ 7.8e-5 (bf16); one update of staleness at lr 1e-4 is 2–6e-3
+STALE_DECODE_K3 = 1e-3
+STALE_DECODE_RATIO = 3.0
+
+
+@dataclass
+class Plan:
+    """Which terms this run has, and which of them it can measure."""
+
+    present: list[str]
+    unmeasured: dict[str, str] = field(default_factory=dict)  # term -> why it cannot be measured here
+
+    @property
+    def measured(self) -> list[str]:
+        return [t for t in self.present if t not in self.unmeasured]
+
+
+def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_support: bool, moe: bool,
+         routing_replay: bool, asynchronous: bool, can_rescore: str | None, can_score_old: bool) -> Plan:
+    """The terms of a run: ``can_rescore`` is None when the engine can re-score its samples, else why not."""
+    present = ["decode", "engine"]
+    if quantized and not quantization_aware:
+        present.append("quantization")
+    if truncated and not replay_support:
+        present.append("truncation")
+    if moe and not routing_replay:
+        present.append("routing")
+    if asynchronous:
+        present.append("staleness")
+    unmeasured = {}
+    if can_rescore is not None:
+        unmeasured["decode"] = can_rescore
+    if asynchronous and not can_score_old:
+        unmeasured["staleness"] = "the learner cannot score with older weights here (FSDP2 shards or LoRA adapters)"
+    return Plan(present, unmeasured)
+
+
+@contextlib.contextmanager
+def _settings(learner, quantizer, quantize: bool, replay_support: bool, routing_replay: bool):
+    """The learner scores with the given quantizer state, support replay and routing replay for the duration."""
+    saved = (learner.replay_sampling_mask, learner.routing_replay)
+    learner.replay_sampling_mask, learner.routing_replay = replay_support, routing_replay
+    q = quantizer.set(quantize) if quantizer is not None else contextlib.nullcontext()
+    try:
+        with q:
+            yield
+    finally:
+        learner.replay_sampling_mask, learner.routing_replay = saved
+
+
+class Ledger:
+    """Measures the chain on a batch. ``rescore(batch, version)``: the engine's prefill log μ of a batch whose
+    rows were all sampled at ``version`` (None when the engine cannot); ``weights(version)``: the learner's
+    weights of an older version (None when not kept)."""
+
+    def __init__(self, learner, plan_: Plan, quantization: str = "none", group_size: int = 64, rescore=None,
+                 weights=None):
+        self.learner, self.plan, self.rescore, self.weights = learner, plan_, rescore, weights
+        #: the rollout's quantizer on the learner's forward: the learner's own (quantization_aware), or one the
+        #: ledger adds, switched on only while it scores "as the engine ran"
+        self.quantizer = learner.qat
+        if quantization != "none" and self.quantizer is None:
+            from unison.quant import QuantizationAware
+
+            self.quantizer = QuantizationAware(learner.model, quantization, group_size)
+            self.quantizer.enabled = False
+        self.final_quantize = learner.qat is not None and learner.qat.enabled
+        self.final_replay = learner.replay_sampling_mask
+        self.final_routing = learner.routing_replay
+        self.warned = False
+        self._behave: tuple[int, torch.Tensor] | None = None  # (step, the learner at the samples' versions)
+
+    def behave(self, step: int) -> torch.Tensor | None:
+        """The learner's log-probs under the weights that sampled (its own settings otherwise) from the last
+        :meth:`measure` of ``step``, when it computed them: the numerics/staleness split reuses them."""
+        return self._behave[1] if self._behave is not None and self._behave[0] == step else None
+
+    def measure(self, batch, logp_pi: torch.Tensor, step: int) -> dict[str, float]:
+        """The ledger of ``batch`` (``logp_pi``: the learner's log π_old of its rows, as the trainer computed
+        it): ``ledger/<term>_k1`` and ``_k3`` for every measured term, ``ledger/total_k1`` and ``_k3``.
+        ``step`` is the learner's version (0-based: the weights this step started from)."""
+        mask, mu = batch.response_mask, batch.logp_mu
+        present, measured = self.plan.present, self.plan.measured
+        versions = batch.version if batch.version is not None else torch.full((batch.size,), step)
+        stale = "staleness" in present and bool((versions != step).any())
+        final = {"quantization": self.final_quantize, "truncation": self.final_replay,
+                 "routing": self.final_routing, "staleness": True}
+        # the learner "as the engine ran": its quantizer, the sampled support and routing, the sample's version
+        # (the current one when older weights are not kept: staleness is then part of the engine term)
+        state = {"quantization": "quantization" in present or self.final_quantize,
+                 "truncation": "truncation" in present or self.final_replay,
+                 "routing": "routing" in present or self.final_routing,
+                 "staleness": not (stale and "staleness" in measured)}
+        knobs = [t for t in ("quantization", "truncation", "routing") if t in present]
+        if stale and "staleness" in measured:
+            knobs.append("staleness")
+        chain: list[tuple[str, torch.Tensor]] = [("mu", mu)]
+        if "decode" in measured:
+            chain.append(("decode", self._by_version(batch, versions, self.rescore)))
+        terms = ["engine", *knobs]
+        self._behave = None
+        for i, term in enumerate(terms):
+            if term != "engine":
+                state[term] = final[term]
+            if i == len(terms) - 1:  # every knob now as the trainer has it: the trainer's own π_old
+                chain.append((term, logp_pi))
+            else:
+                chain.append((term, self._learner_scores(batch, versions, step, state)))
+        if knobs and knobs[-1] == "staleness":
+            self._behave = (step, chain[-2][1])
+        out = {}
+        for (_, prev), (term, nxt) in zip(chain, chain[1:]):
+            out[f"ledger/{term}_k1"] = float(k1(nxt, prev, mask))
+            out[f"ledger/{term}_k3"] = float(k3(nxt, prev, mask))
+        out["ledger/total_k1"] = float(k1(logp_pi, mu, mask))
+        out["ledger/total_k3"] = float(k3(logp_pi, mu, mask))
+        return out
+
+    @staticmethod
+    def _by_version(batch, versions, score_fn):
+        """``score_fn(sub_batch, version)`` over the rows of each version, scattered back."""
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        for u in sorted(set(versions.tolist())):
+            sel = (versions == u).nonzero().squeeze(-1)
+            out[sel] = score_fn(batch.select(sel), int(u))
+        return out
+
+    def _learner_scores(self, batch, versions, step, state):
+        """The learner's log-probs in ``state`` (quantizer on/off, support replay, routing replay; at the
+        sample's own version unless ``state["staleness"]``)."""
+        ctx = _settings(self.learner, self.quantizer, state["quantization"], state["truncation"], state["routing"])
+        with ctx:
+            if state["staleness"]:
+                return self.learner.score(batch)
+
+            def at(sub, u):
+                w = None if u == step else self.weights(u)
+                if u != step and w is None:
+                    raise UnisonError(f"the ledger needs the weights of version {u}, which are not kept")
+                return self.learner.score(sub, weights=w)
+
+            return self._by_version(batch, versions, at)
+
+    def check_stale(self, metrics: dict, log) -> None:
+        """Warn once when the decode term says the engine sampled from something other than the weights it
+        claims (STALE_DECODE_K3, STALE_DECODE_RATIO)."""
+        dec, eng = metrics.get("ledger/decode_k3"), metrics.get("ledger/engine_k3")
+        if self.warned or dec is None or not math.isfinite(dec):
+            return
+        if dec > STALE_DECODE_K3 and dec > STALE_DECODE_RATIO * max(eng or 0.0, 0.0):
+            self.warned = True
+            log(f"[train] WARNING the rollout engine's own log μ differs from a prefill pass of the weights it "
+                f"claims by k3 {dec:.2g} ({dec / max(eng or 1e-30, 1e-30):.0f}× the engine-vs-learner term): the "
+                f"likely cause is a stale engine — a prefix or KV cache kept across a weight sync (reset it after "
+                f"every load) — or decode kernels that differ from the prefill ones (docs/ledger.md)")
+
+
+def shares(metrics: dict) -> str:
+    """The console line: each measured term's share of the summed k3 terms."""
+    terms = [(t, metrics[f"ledger/{t}_k3"]) for t in TERMS if f"ledger/{t}_k3" in metrics]
+    total = sum(max(v, 0.0) for _, v in terms)
+    if not terms or total <= 0:
+        return "ledger: no mismatch (every term 0)"
+    return "ledger: " + " | ".join(f"{t} {100 * max(v, 0.0) / total:.0f}%" for t, v in terms) + \
+        f" (shares of Σk3 = {total:.2g}; total k1 {metrics['ledger/total_k1']:.2g})"
