@@ -397,6 +397,11 @@ class MismatchConfig(_Section):
     #: a run in which a term cannot be measured | off: no ledger. One scoring pass per term present
     ledger: Literal["auto", "on", "off"] = "auto"
 
+    @field_validator("ledger", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v):  # YAML 1.1 reads a bare on / off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 
 class LogConfig(_Section):
     #: write TensorBoard event files when the tensorboard package is installed

@@ -97,11 +97,11 @@ class Ledger:
     weights of an older version (None when not kept)."""
 
     def __init__(self, learner, plan_: Plan, quantization: str = "none", group_size: int = 64, rescore=None,
-                 weights=None):
+                 weights=None, quantizer=None):
         self.learner, self.plan, self.rescore, self.weights = learner, plan_, rescore, weights
-        #: the rollout's quantizer on the learner's forward: the learner's own (quantization_aware), or one the
-        #: ledger adds, switched on only while it scores "as the engine ran"
-        self.quantizer = learner.qat
+        #: the rollout's quantizer on the learner's forward: the learner's own (quantization_aware), ``quantizer``,
+        #: or one the ledger adds, switched on only while it scores "as the engine ran"
+        self.quantizer = learner.qat or quantizer
         if quantization != "none" and self.quantizer is None:
             from unison.quant import QuantizationAware
 

@@ -27,6 +27,8 @@ def check_settings(cfg: Config) -> None:
     if cfg.exact:
         _check_exact_settings(cfg)
     _check_async_settings(cfg)
+    if cfg.mismatch.ledger == "on":
+        _check_ledger_settings(cfg)
     truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k
     if truncated and cfg.rollout.replay_sampling_mask and cfg.engine != "native":
         raise UnisonError(f"rollout.replay_sampling_mask needs the support each token was sampled from, which "
@@ -89,6 +91,23 @@ def _check_quantization_aware(cfg: Config) -> None:
     if cfg.engine != "native":
         raise UnisonError(f"train.quantization_aware computes through unison's own quantizer (unison/quant.py), and "
                           f"engine '{cfg.engine}' quantizes with its own kernels: use engine=native")
+
+
+def _check_ledger_settings(cfg: Config) -> None:
+    """``mismatch.ledger: on`` promises every term of the chain: refuse a run in which one cannot be measured."""
+    fix = "set mismatch.ledger=auto (the term is then merged into its neighbour) or off"
+    if cfg.exact:
+        raise UnisonError(f"mismatch.ledger=on in exact mode: log μ and log π_old are bitwise equal, there is no term "
+                          f"to measure; {fix}")
+    if not cfg.mismatch.decompose_every:
+        raise UnisonError("mismatch.ledger=on runs every mismatch.decompose_every steps, and that is 0: set "
+                          "mismatch.decompose_every ≥ 1, or mismatch.ledger=auto or off")
+    if cfg.engine != "native":
+        raise UnisonError(f"mismatch.ledger=on needs an engine that re-scores its own samples in a prefill pass (the "
+                          f"decode term), and engine '{cfg.engine}' does not for unison: {fix}")
+    if cfg.rollout.max_staleness and (cfg.lora.rank or under_torchrun()):
+        raise UnisonError(f"mismatch.ledger=on needs the learner to score with older weights for its staleness term, "
+                          f"which {'LoRA adapters' if cfg.lora.rank else 'FSDP2 shards'} prevent: {fix}")
 
 
 def _check_async_settings(cfg: Config) -> None:

@@ -1,0 +1,263 @@
+"""The mismatch ledger (issue 28): the chain's terms by hand, their sum, a stale engine caught, the real
+engines passing, ledger off = today's metrics, bad input."""
+
+import contextlib
+
+import pytest
+import torch
+
+from unison import ledger
+from unison.batch import Completion, collate
+from unison.config import load_config
+from unison.errors import UnisonError
+from unison.trainer import Trainer, read_metrics
+
+# ------------------------------------------------------------------ the chain by hand
+# two rows: row 0 (two response tokens) sampled one version ago, row 1 (one token) at the current version.
+# log-probs of each state, per response token:
+MU = {0: [-1.0, -2.0], 1: [-0.5]}
+DECODE = {0: [-1.1, -2.0], 1: [-0.5]}                 # the engine's prefill pass
+AS_ENGINE = {0: [-1.2, -1.9], 1: [-0.7]}              # learner: quantizer on, sampled support, sample's version
+NO_QUANT = {0: [-1.0, -1.8], 1: [-0.6]}               # quantizer off
+FULL_VOCAB = {0: [-1.3, -2.0], 1: [-0.9]}             # over the whole vocabulary (no replay)
+PI_OLD = {0: [-1.5, -2.5], 1: [-0.9]}                 # the current version: the trainer's π_old
+
+
+class _Quantizer:
+    enabled = False
+
+    def set(self, on):
+        @contextlib.contextmanager
+        def ctx():
+            before, self.enabled = self.enabled, on
+            yield
+            self.enabled = before
+        return ctx()
+
+
+class _Learner:
+    """Answers score() from the tables by its settings, as a learner would."""
+
+    qat, moe, routing_replay = None, False, False
+
+    def __init__(self, quantizer):
+        self.q, self.replay_sampling_mask = quantizer, False
+
+    def score(self, batch, weights=None):
+        out = torch.zeros(batch.tokens.shape)
+        for i in range(batch.size):
+            row = int(batch.tokens[i, 0]) - 5  # the prompt token names the row
+            if self.q.enabled:
+                vals = AS_ENGINE[row]
+            elif self.replay_sampling_mask:
+                vals = NO_QUANT[row]
+            else:
+                vals = FULL_VOCAB[row] if (weights is not None or row == 1) else PI_OLD[row]
+            p = len(batch.tokens[i]) - (batch.tokens[i] == 0).sum() - len(vals)
+            out[i, int(p):int(p) + len(vals)] = torch.tensor(vals)
+        return out
+
+
+def _batch(step):
+    comps = [Completion([5], [7, 8], MU[0], "stop", versions=(step - 1, step - 1)),
+             Completion([6], [9], MU[1], "stop", prompt_index=1, versions=(step, step))]
+    return collate(comps, pad_id=0)
+
+
+def _table(batch, vals):
+    out = torch.zeros(batch.tokens.shape)
+    out[0, 1:3], out[1, 1:2] = torch.tensor(vals[0]), torch.tensor(vals[1])
+    return out
+
+
+def test_the_chain_by_hand_on_two_rows():
+    step = 4
+    b = _batch(step)
+    q = _Quantizer()
+    plan = ledger.plan(quantized=True, quantization_aware=False, truncated=True, replay_support=False, moe=False,
+                       routing_replay=False, asynchronous=True, can_rescore=None, can_score_old=True)
+    assert plan.present == ["decode", "engine", "quantization", "truncation", "staleness"] and not plan.unmeasured
+    led = ledger.Ledger(_Learner(q), plan, "int4", rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
+                        weights=lambda u: {"old": u}, quantizer=q)
+    m = led.measure(b, _table(b, PI_OLD), step)
+    # k1 of each pair = mean over the 3 response tokens of (log p_prev − log p_next)
+    want = {"decode": 0.1 / 3, "engine": 0.2 / 3, "quantization": -0.4 / 3, "truncation": 0.8 / 3,
+            "staleness": 0.7 / 3}
+    for term, v in want.items():
+        assert m[f"ledger/{term}_k1"] == pytest.approx(v, abs=1e-6), term
+    assert m["ledger/total_k1"] == pytest.approx(1.4 / 3, abs=1e-6)
+    assert sum(m[f"ledger/{t}_k1"] for t in want) == pytest.approx(m["ledger/total_k1"], abs=1e-6)
+    # k3 of a pair, e.g. quantization: mean(e^{r} − 1 − r), r = log p_next − log p_prev = +0.2, +0.1, +0.1
+    import math
+
+    k3 = sum(math.expm1(r) - r for r in (0.2, 0.1, 0.1)) / 3
+    assert m["ledger/quantization_k3"] == pytest.approx(k3, rel=1e-5)
+    # the numerics/staleness split reuses the learner at the samples' versions (no second pass)
+    assert torch.allclose(led.behave(step), _table(b, FULL_VOCAB))
+    # an engine that cannot re-score: the decode term merges into the engine term
+    plan2 = ledger.plan(quantized=True, quantization_aware=False, truncated=True, replay_support=False, moe=False,
+                        routing_replay=False, asynchronous=True, can_rescore="no prefill for unison", can_score_old=True)
+    m2 = ledger.Ledger(_Learner(q), plan2, "int4", weights=lambda u: {}, quantizer=q).measure(b, _table(b, PI_OLD), step)
+    assert "ledger/decode_k1" not in m2 and m2["ledger/engine_k1"] == pytest.approx(0.3 / 3, abs=1e-6)
+    assert "shares of" in ledger.shares(m) and ledger.shares(m).startswith("ledger: decode")
+
+
+# ------------------------------------------------------------------ the ledger in real runs
+BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=8",
+        "train.prompts_per_step=4", "train.mini_batches=2", "train.micro_batch_size=8", "train.lr=3e-3",
+        "log.console=false", "log.tensorboard=false", "mismatch.decompose_every=1"]
+
+
+@pytest.fixture()
+def reward(tmp_path):
+    p = tmp_path / "char_reward.py"
+    p.write_text("def reward(response, item):\n    return len(response) / 10\n")  # real gradients on a random model
+    return [f"task.reward={p}:reward", "task.truncated_reward=null"]
+
+
+def _fit(tmp_path, name, sets, steps=2, log=lambda m: None):
+    cfg = load_config(None, BASE + [f"train.steps={steps}"] + sets)
+    t = Trainer(cfg, tmp_path / name, log=log)
+    t.fit()
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def _adds_up(rows, terms, first=1):
+    logged = [r for r in rows if "ledger/total_k1" in r]
+    assert [r["step"] for r in logged] == list(range(first, len(rows) + 1))
+    for r in logged:  # step 1 of an asynchronous run has no stale sample yet: no staleness term
+        want = [t for t in terms if t != "staleness" or r["staleness/max"] > 0]
+        assert [t for t in ledger.TERMS if f"ledger/{t}_k1" in r] == want
+        assert sum(r[f"ledger/{t}_k1"] for t in want) == pytest.approx(r["ledger/total_k1"], rel=1e-4, abs=1e-9)
+        assert r["ledger/total_k1"] == pytest.approx(r["mismatch/k1"], rel=1e-4, abs=1e-9)
+        assert r["time/ledger_s"] > 0
+    return logged
+
+
+@pytest.mark.parametrize("sets,terms,dominant", [
+    (["rollout.quantization=int4"], ["decode", "engine", "quantization"], "quantization"),
+    (["rollout.max_staleness=1", "train.lr=1e-2"], ["decode", "engine", "staleness"], "staleness"),
+    (["rollout.top_p=0.8", "rollout.replay_sampling_mask=false"], ["decode", "engine", "truncation"], "truncation"),
+], ids=["int4", "K=1", "top-p"])
+def test_the_terms_add_up_to_the_total_on_every_logged_step(tmp_path, reward, sets, terms, dominant):
+    rows = _fit(tmp_path, "run", reward + sets, steps=3 if "staleness" in terms else 2)
+    last = _adds_up(rows, terms)[-1]
+    assert max(terms, key=lambda t: last[f"ledger/{t}_k3"]) == dominant
+    if "staleness" in terms:  # the split is the ledger's own numbers: numerics + staleness
+        assert last["ledger/staleness_k3"] > 0
+        assert last["mismatch/staleness_k1"] == pytest.approx(last["ledger/staleness_k1"], rel=1e-6, abs=1e-12)
+
+
+def test_ledger_off_leaves_every_other_metric_bit_for_bit(tmp_path, reward):
+    on = _fit(tmp_path, "on", reward + ["rollout.quantization=int4"])
+    off = _fit(tmp_path, "off", reward + ["rollout.quantization=int4", "mismatch.ledger=off"])
+    assert any("ledger/total_k1" in r for r in on) and not any(k.startswith("ledger/") for r in off for k in r)
+    for a, b in zip(on, off):
+        keep = {k for k in b if not k.startswith(("time/", "memory/", "throughput/"))}
+        assert {k: a[k] for k in keep} == {k: b[k] for k in keep}
+
+
+# ------------------------------------------------------------------ a stale engine is caught
+def _stale_engine_factory(monkeypatch):
+    """A native engine whose prefix cache outlives the weight sync: it runs each prompt's prefill with the
+    weights it held before the last sync (the bug of prime-rl PRs 1650/2266, NeMo RL 4018)."""
+    from unison import trainer as trainer_mod
+    from unison.rollout.native import NativeEngine
+
+    class StalePrefixEngine(NativeEngine):
+        old = None
+
+        def sync_weights(self, learner):
+            self.old = {n: p.detach().clone() for n, p in self._params.items()}
+            return super().sync_weights(learner)
+
+        def _run(self, fn, routing, rows, *args):
+            if rows is not None or self.old is None:  # a decode step, or nothing synced yet
+                return super()._run(fn, routing, rows, *args)
+            new = {n: p.detach().clone() for n, p in self._params.items()}
+            with torch.no_grad():
+                for n, p in self._params.items():
+                    p.copy_(self.old[n])
+                try:
+                    return super()._run(fn, routing, rows, *args)
+                finally:
+                    for n, p in self._params.items():
+                        p.copy_(new[n])
+
+    made = []
+
+    def make(name, model_dir, dtype, **kw):
+        kw.pop("seed", None), kw.pop("max_len", None)
+        e = StalePrefixEngine(model_dir, dtype, exact=False, quantization=kw.get("quantization", "none"))
+        made.append(e)
+        return e
+
+    monkeypatch.setattr(trainer_mod, "make_engine", make)
+    return made
+
+
+def test_a_stale_prefix_cache_trips_the_warning(tmp_path, reward, monkeypatch):
+    made = _stale_engine_factory(monkeypatch)
+    lines = []
+    rows = _fit(tmp_path, "stale", reward + ["train.lr=1e-2"], steps=3, log=lines.append)
+    assert made
+    warned = [x for x in lines if "stale engine" in x]
+    assert len(warned) == 1 and "prefix or KV cache kept across a weight sync" in warned[0]  # once
+    later = [r for r in rows if r["step"] >= 2]
+    assert max(r["ledger/decode_k3"] for r in later) > ledger.STALE_DECODE_K3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_native_engine_does_not_trip_it(tmp_path, reward, precision):
+    lines = []
+    rows = _fit(tmp_path, precision, reward + ["train.lr=1e-2", f"precision={precision}"], steps=3, log=lines.append)
+    assert not [x for x in lines if "stale engine" in x]
+    _adds_up(rows, ["decode", "engine"])
+    dec = max(r["ledger/decode_k3"] for r in rows)
+    assert dec < (1e-9 if precision == "fp32" else ledger.STALE_DECODE_K3)
+
+
+def test_vllm_in_process_resets_its_prefix_cache_after_every_load(monkeypatch, tiny_dir):
+    sys_modules = __import__("sys").modules
+    import types
+
+    from unison.rollout import vllm_engine
+    from unison.rollout.vllm_engine import VLLMEngine
+
+    calls = []
+
+    class LLM:
+        def __init__(self, **kw):
+            hf = types.SimpleNamespace(eos_token_id=2)
+            self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=hf))
+
+        def collective_rpc(self, method, kwargs):
+            calls.append("reload")
+            list(kwargs["weights_iterator"])
+
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
+    mod = types.ModuleType("vllm")
+    mod.__version__, mod.LLM = "0.32.0", LLM
+    monkeypatch.setitem(sys_modules, "vllm", mod)
+    monkeypatch.setattr(vllm_engine, "_quiet_vllm", lambda: None)
+    e = VLLMEngine(tiny_dir, dtype=torch.float32, device="cpu")
+    for _ in range(3):
+        e.load_weights(iter([("w", torch.zeros(2))]))
+    assert calls == ["reload", "reset"] * 3  # every load is followed by a prefix-cache reset
+
+
+# ------------------------------------------------------------------ bad input: one line, nothing written
+@pytest.mark.parametrize("sets,match", [
+    (["mismatch.ledger=on", "engine=vllm", "vllm.mode=server", "vllm.url=http://127.0.0.1:9"], "does not for unison"),
+    (["mismatch.ledger=on", "exact=true"], "exact mode"),
+    (["mismatch.ledger=on", "mismatch.decompose_every=0"], "decompose_every"),
+    (["mismatch.ledger=on", "rollout.max_staleness=1", "lora.rank=2"], "LoRA adapters"),
+    (["mismatch.ledger=sometimes"], "mismatch.ledger"),
+])
+def test_ledger_bad_input_is_refused_before_writing(tmp_path, sets, match):
+    with pytest.raises(UnisonError, match=match):
+        cfg = load_config(None, BASE + ["train.steps=1"] + sets)
+        Trainer(cfg, tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists()
