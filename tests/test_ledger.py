@@ -261,3 +261,55 @@ def test_ledger_bad_input_is_refused_before_writing(tmp_path, sets, match):
         cfg = load_config(None, BASE + ["train.steps=1"] + sets)
         Trainer(cfg, tmp_path / "run", log=lambda m: None)
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ paired comparison by seed (report --baseline)
+def test_paired_interval_by_hand():
+    from unison.report import paired_interval, t975
+
+    # differences 0.1, 0.2, 0.3: mean 0.2, sd 0.1, se 0.1/√3; t(0.975, 2) = 4.302653
+    mean, lo, hi = paired_interval([0.1, 0.2, 0.3])
+    half = 4.302653 * 0.1 / 3 ** 0.5
+    assert (mean, lo, hi) == pytest.approx((0.2, 0.2 - half, 0.2 + half), abs=1e-9)
+    assert half == pytest.approx(0.248414, abs=1e-6)
+    assert t975(1) == pytest.approx(12.706205) and t975(40) == pytest.approx(2.021075, abs=1e-4)
+    assert t975(120) == pytest.approx(1.979930, abs=1e-4)
+
+
+def test_paired_table_pairs_by_seed_and_refuses_bad_arms():
+    from unison.report import paired_table
+
+    v = {"base": {0: {"final_accuracy": 0.5}, 1: {"final_accuracy": 0.6}, 2: {"final_accuracy": 0.7}},
+         "cure": {0: {"final_accuracy": 0.6}, 1: {"final_accuracy": 0.8}, 2: {"final_accuracy": 1.0}},
+         "half": {1: {"final_accuracy": 0.9}}}
+    rows = {r["arm"]: r for r in paired_table(v, "base", keys=[("final_accuracy", "acc")])}
+    c = rows["cure"]["final_accuracy"]
+    assert (c["diff"], c["n"]) == (pytest.approx(0.2), 3) and c["lo"] == pytest.approx(0.2 - 0.248414, abs=1e-5)
+    assert rows["cure"]["final_accuracy"]["sd"] == pytest.approx(0.2)  # unpaired spread, for comparison
+    assert rows["half"]["final_accuracy"]["n"] == 1 and rows["half"]["shared_seeds"] == [1]
+    with pytest.raises(UnisonError, match="--baseline 'nope' is not one of the arms: base, cure, half"):
+        paired_table(v, "nope")
+    with pytest.raises(UnisonError, match="shares no seed with the baseline"):
+        paired_table({**v, "other": {7: {"final_accuracy": 0.1}}}, "base")
+
+
+def test_report_baseline_on_run_directories(tmp_path, capsys):
+    import json
+
+    from unison.cli import main
+
+    for arm, accs in (("a", [0.2, 0.4]), ("b", [0.5, 0.9])):
+        for seed, acc in enumerate(accs):
+            d = tmp_path / "arms" / f"fp32-{arm}-s{seed}"
+            d.mkdir(parents=True)
+            rows = [{"step": i + 1, "reward/mean": acc, "mismatch/k3": 1e-3} for i in range(6)]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = sorted(str(p) for p in (tmp_path / "arms").iterdir())
+    assert main(["report", *runs, "--out", str(tmp_path / "rep"), "--baseline", "fp32-a"]) == 0
+    paired = json.loads((tmp_path / "rep" / "report.json").read_text())["paired"]
+    b = next(r for r in paired["rows"] if r["arm"] == "fp32-b")["final_accuracy"]
+    assert b["diff"] == pytest.approx(0.4) and b["n"] == 2  # (0.5 − 0.2 + 0.9 − 0.4) / 2
+    assert "Paired by seed, against fp32-a" in (tmp_path / "rep" / "report.md").read_text()
+    assert main(["report", *runs, "--out", str(tmp_path / "bad"), "--baseline", "fp32-c"]) == 2
+    assert "not one of the arms: fp32-a, fp32-b" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

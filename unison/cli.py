@@ -65,6 +65,9 @@ def _add_probe(sub) -> None:
                         "scored without and with sampling-mask replay (default: 1.0)")
     p.add_argument("--top-k", default="0",
                    help="comma-separated top-k values (0 = off), one arm each, as --top-p (default: 0)")
+    p.add_argument("--ledger", action="store_true",
+                   help="the mismatch ledger of every arm: where its mismatch comes from (decode vs prefill, engine vs "
+                        "learner, quantization, truncation, routing), terms that add up to the total (docs/ledger.md)")
     p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
     p.set_defaults(func=cmd_probe)
 
@@ -80,7 +83,7 @@ def cmd_probe(args) -> int:
                       param_dtypes=_csv(args.param_dtype), exact=args.exact,
                       quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
                       quantization_aware=args.quantization_aware, top_ps=_numbers(args.top_p, float, "--top-p"),
-                      top_ks=_numbers(args.top_k, int, "--top-k"))
+                      top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
@@ -88,6 +91,10 @@ def cmd_probe(args) -> int:
     written = write_outputs(out, out_dir)
     console = Console(width=max(Console().width, 170))
     console.print(format_table(out["results"], out["timings"]))
+    if cfg.ledger:
+        from unison.probe import format_ledger
+
+        console.print(format_ledger(out["results"]))
     by = {(r["engine"], r["precision"]): r for r in out["results"]
           if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"] and r["quantization"] == "none"
           and r["top_p"] == 1.0 and not r["top_k"]}
@@ -269,6 +276,9 @@ def _add_report(sub) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (unison train / sanity arms)")
     p.add_argument("--out", default=None,
                    help="output directory (default: the run itself for one run, else ./report)")
+    p.add_argument("--baseline", default=None, metavar="ARM",
+                   help="compare arms paired by seed against this arm (a run's directory name without its -sN seed "
+                        "suffix): per-seed differences of each summary number, their mean and 95%% t-interval")
     p.set_defaults(func=cmd_report)
 
 
@@ -280,9 +290,16 @@ def cmd_report(args) -> int:
     runs = [Path(r) for r in args.runs]
     summaries = [summarize(r) for r in runs]
     out = Path(args.out) if args.out else (runs[0] if len(runs) == 1 else Path("report"))
-    path = write_report(runs, out)
+    path = write_report(runs, out, baseline=args.baseline)
     console = Console(width=max(Console().width, 140))
     console.print(rich_table(summaries))
+    if args.baseline:
+        import json
+
+        from unison.report import paired_markdown
+
+        rows = json.loads((path.parent / "report.json").read_text())["paired"]["rows"]
+        console.print(f"paired by seed, against {args.baseline}:\n{paired_markdown(rows, args.baseline)}")
     console.print(f"report: {path}")
     return 0
 

@@ -109,4 +109,45 @@ def run_plots(run_dirs, out_dir: Path | None = None, labels: list[str] | None = 
             ax.set_yscale("log")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    return [_save(fig, out_dir / "training_curves.png")]
+    paths = [_save(fig, out_dir / "training_curves.png")]
+    ledger = ledger_plot(series, out_dir)
+    return paths + ([ledger] if ledger else [])
+
+
+def ledger_plot(series: list[tuple[str, list[dict]]], out_dir: Path) -> Path | None:
+    """The mismatch ledger of each run that has one: every term's share of Σk3, stacked, per logged step, with
+    the total token k3 on a second axis (unison/ledger.py). None when no run logged a ledger."""
+    from unison.ledger import TERMS
+
+    runs = [(label, [r for r in rows if "ledger/total_k3" in r]) for label, rows in series]
+    runs = [(label, rows) for label, rows in runs if rows]
+    if not runs:
+        return None
+    n = len(runs)
+    cols = min(n, 3)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5.5 * cols, 3.6 * ((n + cols - 1) // cols)),
+                             squeeze=False)
+    colors = {t: f"C{i}" for i, t in enumerate(TERMS)}
+    for ax, (label, rows) in zip(axes.flat, runs):
+        steps = [r["step"] for r in rows]
+        terms = [t for t in TERMS if any(f"ledger/{t}_k3" in r for r in rows)]
+        vals = np.array([[max(r.get(f"ledger/{t}_k3") or 0.0, 0.0) for r in rows] for t in terms])
+        tot = vals.sum(0)
+        shares = np.divide(vals, tot, out=np.zeros_like(vals), where=tot > 0) * 100
+        ax.stackplot(steps, shares, labels=terms, colors=[colors[t] for t in terms], alpha=0.85)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("share of Σk3 (%)")
+        ax.set_xlabel("step")
+        ax.set_title(label, fontsize=10)
+        ax2 = ax.twinx()
+        ax2.plot(steps, [r["ledger/total_k3"] for r in rows], color="black", lw=1.2, marker="o", ms=3,
+                 label="total token k3")
+        if any(r["ledger/total_k3"] > 0 for r in rows):
+            ax2.set_yscale("log")
+        ax2.set_ylabel("total k3")
+        ax.legend(fontsize=7, loc="upper left")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle("mismatch ledger: where each logged step's mismatch comes from")
+    fig.tight_layout()
+    return _save(fig, out_dir / "ledger.png")

@@ -56,6 +56,8 @@ class ProbeConfig:
     top_ps: list[float] = field(default_factory=lambda: [1.0])
     #: top-k values (0 = off): one arm each, as top_ps
     top_ks: list[int] = field(default_factory=lambda: [0])
+    #: the mismatch ledger of every arm (unison/ledger.py): decode, engine, quantization, truncation, routing
+    ledger: bool = False
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -137,6 +139,9 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     if truncated and cfg.exact:
         raise UnisonError("--exact samples from the full distribution the learner scores: drop --exact, or keep "
                           "--top-p 1.0 and --top-k 0")
+    if cfg.ledger and engines != ["native"]:
+        raise UnisonError("--ledger needs an engine that re-scores its own samples in a prefill pass (its decode "
+                          "term), and only the native engine does for unison: use --engine native")
     if cfg.quantization_aware and quantizations == ["none"]:
         raise UnisonError("--quantization-aware scores quantized arms through the quantizer: add a format with "
                           "--quantization fp8, int8 or int4")
@@ -230,10 +235,11 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             t0 = time.perf_counter()
             completions = engine.generate(prompt_ids, params)
             t_roll = time.perf_counter() - t0
+            batch = collate(completions, pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
+            rescored = engine.score(batch, params) if cfg.ledger and not exact else None  # the decode term
         finally:
             engine.close()
             del engine
-        batch = collate(completions, pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
         scorer = exact_learner if exact else learner
         scorer.compute_dtype = prec.learner_dtype
         mask = batch.response_mask
@@ -297,10 +303,29 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             timings.append({"engine": engine_name, "precision": prec.label, "quantization": quant, "rollout_s": t_roll,
                             "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
                             "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
+        if rescored is not None:  # the ledger, against the arm's first row: the plain learner (no QAT, no replay)
+            results[len(results) - len(variants)].update(
+                _ledger(scorer, batch, rescored, quant, truncated, cfg, quantizer(scorer, quant) if quant != "none" else None,
+                        cast=cfg.param_dtypes[0] == "compute" and prec.learner_dtype != torch.float32))
     config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
               "precisions": precisions, "engines": engines, "quantizations": inputs.quantizations,
               "num_prompts": len(prompts)}
     return {"results": results, "config": config, "samples": samples, "timings": timings}
+
+
+def _ledger(scorer, batch, rescored, quant: str, truncated: bool, cfg: ProbeConfig, quantizer, cast: bool) -> dict:
+    """The mismatch ledger of one arm: its chain from the engine's log μ to the plain learner's log π."""
+    from unison import ledger
+
+    scorer.cast_params, scorer.routing_replay, scorer.replay_sampling_mask, scorer.qat = cast, False, False, None
+    moe_run = scorer.moe and "routing" in batch.extras
+    p = ledger.plan(quantized=quant != "none", quantization_aware=False, truncated=truncated, replay_support=False,
+                    moe=moe_run, routing_replay=False, asynchronous=False, can_rescore=None, can_score_old=True)
+    led = ledger.Ledger(scorer, p, quant, cfg.quant_group_size, rescore=lambda sub, version: rescored,
+                        quantizer=quantizer)
+    out = led.measure(batch, scorer.score(batch), step=0)
+    scorer.replay_sampling_mask = True
+    return out
 
 
 def _peak_rss_gib() -> float:
@@ -327,6 +352,29 @@ def ratio(a: float, b: float) -> float | None:
 def exact_failed(result: dict) -> bool:
     """An exact-mode row whose log π and log μ are not bitwise equal on every token: a failure, not a result."""
     return bool(result.get("exact")) and result.get("mismatch/identical_fraction", 1.0) < 1.0
+
+
+def format_ledger(results: list[dict]):
+    """A rich Table of each arm's mismatch ledger: every term's k3 and its share of the sum."""
+    from rich.table import Table
+
+    from unison.ledger import TERMS
+
+    rows = [r for r in results if "ledger/total_k1" in r]
+    terms = [t for t in TERMS if any(f"ledger/{t}_k3" in r for r in rows)]
+    table = Table(title="mismatch ledger: k3 of each step of the chain log μ → log π (share of Σk3)")
+    for name in ("engine", "precision", "weights", "top-p/k", *terms, "total k3", "Σ k1 = total k1"):
+        table.add_column(name, justify="left" if name in ("engine", "precision", "weights", "top-p/k") else "right")
+    for r in rows:
+        vals = [r.get(f"ledger/{t}_k3") for t in terms]
+        total = sum(max(v or 0.0, 0.0) for v in vals) or 1.0
+        cells = ["–" if v is None else f"{v:.2g} ({100 * max(v, 0.0) / total:.0f}%)" for v in vals]
+        s1 = sum(r.get(f"ledger/{t}_k1", 0.0) for t in terms)
+        trunc = "/".join(x for x in (f"p {r['top_p']:g}" if r.get("top_p", 1.0) < 1 else "",
+                                     f"k {r['top_k']}" if r.get("top_k") else "") if x) or "–"
+        table.add_row(r["engine"], r["precision"], r.get("quantization", "none"), trunc, *cells,
+                      f"{r['ledger/total_k3']:.3g}", f"{s1:.3g} = {r['ledger/total_k1']:.3g}")
+    return table
 
 
 def format_table(results: list[dict], timings: list[dict] | None = None):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import statistics
 from pathlib import Path
 
 import yaml
@@ -130,7 +132,124 @@ def rich_table(summaries: list[dict], title: str = "runs compared: one row per r
     return t
 
 
-def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", notes: str = "") -> Path:
+# ------------------------------------------------------------------ paired comparison by seed
+#: Student's t, 97.5% quantile, for 1..30 degrees of freedom (two-sided 95% intervals)
+_T975 = [12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+         2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+         2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272]
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (a table to 30, then the Cornish–Fisher
+    expansion, within 1e-4)."""
+    if df < 1:
+        raise ValueError("a t-interval needs at least 2 observations")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def paired_interval(diffs: list[float]) -> tuple[float, float, float]:
+    """Mean of paired differences and its 95% t-interval (t with n − 1 degrees of freedom): (mean, lo, hi)."""
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if n < 2:
+        return mean, float("nan"), float("nan")
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+_SEED = re.compile(r"(.*)-s(\d+)$")
+
+
+def arm_and_seed(run_dir: Path) -> tuple[str, int | None]:
+    """``…/fp32-int4-grpo-s2`` -> (its arm name, 2): the directory name without unison sanity's seed suffix."""
+    m = _SEED.match(run_dir.name)
+    return (m.group(1), int(m.group(2))) if m else (run_dir.name, None)
+
+
+def arm_labels(run_dirs: list[Path]) -> list[str]:
+    """One arm label per run: its name without the seed suffix, prefixed by as many parent directories (``arms/``
+    skipped) as it takes to tell apart arms whose names are equal (``q-int4-qat/fp32-int4-grpo`` vs
+    ``q-int4-grpo/fp32-int4-grpo``); the seeds of one arm share a directory, hence a label."""
+    base = [arm_and_seed(d)[0] for d in run_dirs]
+    labels = base
+    for depth in range(0, 6):
+        ups = [[p.name for p in d.parents if p.name not in ("arms", "")][:depth] for d in run_dirs]
+        labels = ["/".join([*reversed(up), b]) for up, b in zip(ups, base)]
+        dirs: dict[str, set] = {}
+        for lab, d in zip(labels, run_dirs):
+            dirs.setdefault(lab, set()).add(d.parent)
+        if all(len(v) == 1 for v in dirs.values()):
+            break
+    return labels
+
+
+PAIRED_KEYS = [("final_accuracy", "final train acc"), ("initial_accuracy", "initial acc"), ("k3_mean", "mean k3")]
+
+
+def paired_table(values: dict[str, dict[int, dict[str, float]]], baseline: str, keys=PAIRED_KEYS) -> list[dict]:
+    """Per arm against ``baseline``, for every summary number in ``keys``: the arm's mean ± sd over its seeds and
+    the per-seed difference to the baseline over the seeds both ran (mean and 95% t-interval).
+    ``values[arm][seed][key]``. Refuses an unknown baseline and arms that share no seed with it."""
+    if baseline not in values:
+        raise UnisonError(f"--baseline '{baseline}' is not one of the arms: {', '.join(sorted(values))}")
+    base = values[baseline]
+    rows = []
+    for arm, seeds in values.items():
+        shared = sorted(set(seeds) & set(base))
+        if arm != baseline and not shared:
+            raise UnisonError(f"arm '{arm}' shares no seed with the baseline '{baseline}' (seeds {sorted(seeds)} vs "
+                              f"{sorted(base)}): a paired comparison needs the same seeds in both")
+        row = {"arm": arm, "seeds": sorted(seeds), "shared_seeds": shared}
+        for key, _ in keys:
+            xs = [seeds[s][key] for s in sorted(seeds) if _finite(seeds[s].get(key))]
+            row[key] = {"mean": sum(xs) / len(xs) if xs else None,
+                        "sd": statistics.stdev(xs) if len(xs) > 1 else None}
+            if arm != baseline:
+                diffs = [seeds[s][key] - base[s][key] for s in shared
+                         if _finite(seeds[s].get(key)) and _finite(base[s].get(key))]
+                if diffs:
+                    mean, lo, hi = paired_interval(diffs)
+                    row[key].update(diff=mean, lo=lo, hi=hi, n=len(diffs))
+        rows.append(row)
+    return rows
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def paired_markdown(rows: list[dict], baseline: str, keys=PAIRED_KEYS, fmt: str = "{:.3f}") -> str:
+    """The paired table as Markdown: mean ± sd per arm, then Δ vs the baseline with its 95% interval."""
+    head = ["arm", "seeds"] + [f"{name} (mean ± sd)" for _, name in keys] + \
+           [f"Δ {name} vs {baseline} [95% CI]" for _, name in keys]
+    out = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for r in rows:
+        cells = [r["arm"], str(len(r["seeds"]))]
+        for key, _ in keys:
+            v = r[key]
+            f = "{:.2e}" if key.startswith("k3") else fmt
+            cells.append("–" if v["mean"] is None else f.format(v["mean"]) + ("" if v["sd"] is None else
+                                                                             f" ± {f.format(v['sd'])}"))
+        for key, _ in keys:
+            v = r[key]
+            f = "{:+.2e}" if key.startswith("k3") else "{:+.3f}"
+            if r["arm"] == baseline:
+                cells.append("(baseline)")
+            elif "diff" not in v:
+                cells.append("–")
+            else:
+                ci = "" if not math.isfinite(v["lo"]) else f" [{f.format(v['lo'])}, {f.format(v['hi'])}]"
+                cells.append(f"{f.format(v['diff'])}{ci} (n={v['n']})")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", notes: str = "",
+                 baseline: str | None = None) -> Path:
     from unison.plots import run_plots
 
     run_dirs = [Path(d) for d in run_dirs]
@@ -140,6 +259,13 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
     if len({s["arm"] for s in summaries}) < len(summaries):  # equal directory names: add their parents
         for s, d in zip(summaries, run_dirs):
             s["arm"] = f"{d.parent.name}/{d.name}"
+    paired = None
+    if baseline is not None:
+        by_arm: dict[str, dict[int, dict]] = {}
+        for s_, d, lab in zip(summaries, run_dirs, arm_labels(run_dirs)):
+            seed = arm_and_seed(d)[1]
+            by_arm.setdefault(lab, {})[seed if seed is not None else _config_seed(d)] = s_
+        paired = paired_table(by_arm, baseline)  # refuses a bad baseline before anything is written
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
@@ -152,10 +278,22 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
              "Final train acc: mean training reward over the last 5 steps. Steps to 95%: first step "
              "where the 5-step moving average of the training reward reaches 0.95. k3 and abs(π−μ): "
              "mismatch between the rollout engine (μ) and the learner (π) on the sampled tokens.", ""]
+    if paired is not None:
+        lines += [f"## Paired by seed, against {baseline}", "",
+                  "Each arm's mean ± sd over its seeds, and the mean of its per-seed differences to the baseline "
+                  "over the seeds both ran, with a 95% t-interval (n − 1 degrees of freedom): arms that ran the same "
+                  "seeds share their warm start, data order and early samples, so the paired difference is tighter "
+                  "than two means ± sd.", "", paired_markdown(paired, baseline), ""]
     for p in plots:
         lines.append(f"![{p.stem}]({os.path.relpath(p, out_dir)})")
     lines.append("")
     lines.append("Runs: " + ", ".join(f"`{s['run']}`" for s in summaries))
     atomic_write_text(out_dir / "report.md", "\n".join(lines) + "\n")
-    atomic_write_text(out_dir / "report.json", json.dumps({"arms": summaries}, indent=2) + "\n")
+    payload = {"arms": summaries, **({"paired": {"baseline": baseline, "rows": paired}} if paired else {})}
+    atomic_write_text(out_dir / "report.json", json.dumps(payload, indent=2) + "\n")
     return out_dir / "report.md"
+
+
+def _config_seed(run_dir: Path) -> int:
+    cfg, _ = load_run(run_dir)
+    return int(cfg.get("seed", 0))

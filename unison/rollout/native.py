@@ -43,7 +43,14 @@ class NativeEngine:
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.model = load_model(self.model_dir, dtype=dtype, device=device)
+        # a quantized engine quantizes the fp32 weights (as it does at every sync from the learner's masters),
+        # not their rounding to the compute dtype: loaded in fp32, the targets kept, then cast
+        self.model = load_model(self.model_dir, dtype=torch.float32 if quantization != "none" else dtype, device=device)
+        masters = {}
+        if quantization != "none":
+            masters = {t.name: dict(self.model.named_parameters())[t.name].detach().clone()
+                       for t in check_targets(self.model, quantization, quant_group_size)}
+            self.model.to(dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.config = self.model.config
         #: fast: the fused path of the Llama-family decoders; generic: any causal LM's own forward
@@ -66,7 +73,8 @@ class NativeEngine:
         self._quant: dict[str, int] = {}
         if quantization != "none":  # (exact mode with it: only with a quantization-aware learner, preflight)
             self._quant = {t.name: t.in_dim for t in check_targets(self.model, quantization, quant_group_size)}
-            self.load_weights((n, self._params[n].detach().float()) for n in list(self._quant))
+            self.load_weights(masters.items())
+            del masters
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
