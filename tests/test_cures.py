@@ -269,13 +269,35 @@ def test_quantization_aware_quantizes_moe_experts_and_lora_merged_weights(tiny_d
 def test_probe_quantization_aware_rows_and_exact_bitwise(tiny_dir):
     from unison.probe import ProbeConfig, run_probe
 
-    out = run_probe(ProbeConfig(precisions=["fp32"], quantizations=["int4"], quantization_aware=True, exact=True,
-                                n=2, max_new_tokens=24), log=lambda m: None)
-    rows = {(r["exact"], r["quantization_aware"]): r for r in out["results"]}
-    assert set(rows) == {(False, False), (False, True), (True, True)}
-    assert rows[False, False]["mismatch/k3"] > 1e-3
-    assert rows[False, True]["mismatch/k3"] < 1e-9
-    assert rows[True, True]["mismatch/k3"] == 0.0 and rows[True, True]["mismatch/identical_fraction"] == 1.0
+    out = run_probe(ProbeConfig(precisions=["fp32", "bf16"], quantizations=["int4"], quantization_aware=True,
+                                exact=True, n=2, max_new_tokens=24), log=lambda m: None)
+    rows = {(r["precision"], r["exact"], r["quantization_aware"]): r for r in out["results"]}
+    assert set(rows) == {(p, e, q) for p in ("fp32", "bf16") for e, q in ((False, False), (False, True), (True, True))}
+    assert rows["fp32", False, False]["mismatch/k3"] > 1e-3
+    assert rows["fp32", False, True]["mismatch/k3"] < 1e-9
+    # bf16 through the quantizer: down to bf16's own mismatch (≈ 3e-4 on this model, not int4's 0.2)
+    assert rows["bf16", False, True]["mismatch/k3"] < 0.1 * rows["bf16", False, False]["mismatch/k3"]
+    for p in ("fp32", "bf16"):  # quantized rollout with zero mismatch
+        assert rows[p, True, True]["mismatch/k3"] == 0.0 and rows[p, True, True]["mismatch/identical_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_exact_mode_with_an_int4_rollout_trains_bitwise_equal(tmp_path, precision):
+    """The engine re-quantizes the updated masters at every sync, the learner quantizes the same masters:
+    log μ == log π_old on every step, while the weights move."""
+    from unison.config import load_config
+    from unison.trainer import Trainer, read_metrics
+
+    (tmp_path / "r.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    cfg = load_config(None, ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4",
+                             "rollout.max_new_tokens=6", "train.prompts_per_step=4", "train.steps=3", "train.lr=1e-2",
+                             "log.console=false", "log.tensorboard=false", f"task.reward={tmp_path / 'r.py'}:reward",
+                             "task.truncated_reward=null", "exact=true", "rollout.quantization=int4",
+                             "train.quantization_aware=true", f"precision={precision}"])
+    Trainer(cfg, tmp_path / "run", log=lambda m: None).fit()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["mismatch/identical_fraction"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["mismatch/k3"] == 0.0 for r in rows) and all(r["optim/grad_norm"] > 0 for r in rows)
 
 
 def test_quantization_aware_bad_input_is_refused_before_writing(tmp_path):

@@ -43,14 +43,13 @@ class NativeEngine:
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
-        # a quantized engine quantizes the fp32 weights (as it does at every sync from the learner's masters),
-        # not their rounding to the compute dtype: loaded in fp32, the targets kept, then cast
-        self.model = load_model(self.model_dir, dtype=torch.float32 if quantization != "none" else dtype, device=device)
+        self.model = load_model(self.model_dir, dtype=dtype, device=device)
         masters = {}
-        if quantization != "none":
-            masters = {t.name: dict(self.model.named_parameters())[t.name].detach().clone()
-                       for t in check_targets(self.model, quantization, quant_group_size)}
-            self.model.to(dtype)
+        if quantization != "none":  # quantize the fp32 weights (as every sync does from the learner's masters),
+            full = load_model(self.model_dir, dtype=torch.float32, device=device)  # not their rounding to dtype
+            params = dict(full.named_parameters())
+            masters = {t.name: params[t.name].detach() for t in check_targets(full, quantization, quant_group_size)}
+            del full, params
         self.tokenizer = load_tokenizer(self.model_dir)
         self.config = self.model.config
         #: fast: the fused path of the Llama-family decoders; generic: any causal LM's own forward
