@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/unison sanity --out $(OUT)
+	$(VENV)/bin/unison demo --out $(OUT)
 
 probe: install
 	$(VENV)/bin/unison probe --out $(OUT)-probe

@@ -151,3 +151,29 @@ def ledger_plot(series: list[tuple[str, list[dict]]], out_dir: Path) -> Path | N
     fig.suptitle("mismatch ledger: where each logged step's mismatch comes from")
     fig.tight_layout()
     return _save(fig, out_dir / "ledger.png")
+
+
+def demo_plot(series: list[tuple[str, list[dict]]], out_dir: Path) -> Path:
+    """``unison demo``: the training accuracy of the clean, the collapsing and the cured run in one plot (5-step
+    mean), and their token k3 beside it."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, (label, rows) in enumerate(series):
+        pts = [(r["step"], r["reward/mean"]) for r in rows if isinstance(r.get("reward/mean"), (int, float))]
+        if not pts:
+            continue
+        steps, vals = zip(*pts)
+        smooth = [float(np.mean(vals[max(0, j - 4):j + 1])) for j in range(len(vals))]
+        ax.plot(steps, vals, color=f"C{i}", alpha=0.25, lw=0.8)
+        ax.plot(steps, smooth, color=f"C{i}", lw=2, label=label)
+        k3 = [(r["step"], r["mismatch/k3"]) for r in rows if isinstance(r.get("mismatch/k3"), (int, float))]
+        if k3:
+            ax2.plot(*zip(*k3), color=f"C{i}", lw=1.3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training accuracy (5-step mean)")
+    ax.set_title("the same GRPO run: clean, int4 rollout, int4 + quantization-aware learner", fontsize=10)
+    ax.legend(fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step")
+    ax2.set_title("token k3 between the rollout engine (μ) and the learner (π)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out_dir / "collapse_and_cure.png")

@@ -41,7 +41,11 @@ def sanity_config(path: str | None, overrides: list[str]) -> Config:
 
 def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[str], k: int = 8,
                band=None, max_prompts: int | None = 32, log=lambda m: print(m, file=sys.stderr, flush=True),
-               seeds: list[int] | None = None, quantizations: list[str] | None = None):
+               seeds: list[int] | None = None, quantizations: list[str] | None = None,
+               variant: tuple[str, dict] | None = None, report: bool = True):
+    """``variant`` = (name suffix, config overrides) applied to every arm of this call (e.g. ``("-qat",
+    {"train": {"quantization_aware": True}})``); ``report`` False leaves the comparison report to the
+    caller (``unison demo`` writes one over several calls). Returns (summaries, report path or None, arm dirs)."""
     from unison.algorithms.presets import PRESETS
     from unison.filter import run_filter
     from unison.report import summarize, write_report
@@ -90,14 +94,15 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     done_steps, step_time = 0, {}
     arm_dirs = []
     for i, (prec, quant, algo, seed) in enumerate(arms, 1):
-        name = f"{prec}-{'' if quant == 'none' else quant + '-'}{algo}" + (f"-s{seed}" if seeds else "")
+        suffix, extra = variant or ("", {})
+        name = f"{prec}-{'' if quant == 'none' else quant + '-'}{algo}{suffix}" + (f"-s{seed}" if seeds else "")
         run_dir = out / "arms" / name
         arm_dirs.append(run_dir)
         exact = prec.endswith("-exact")
-        arm_cfg = config_from_dict(merge(rl_base.model_dump(mode="json"),
-                                         {"precision": prec.removesuffix("-exact"), "exact": exact, "algo": algo,
-                                          "seed": seed, "task": {"path": str(perf)},
-                                          "rollout": {"quantization": quant}}))
+        arm_cfg = config_from_dict(merge(merge(rl_base.model_dump(mode="json"),
+                                               {"precision": prec.removesuffix("-exact"), "exact": exact,
+                                                "algo": algo, "seed": seed, "task": {"path": str(perf)},
+                                                "rollout": {"quantization": quant}}), extra))
         if _finished(run_dir, cfg.train.steps):  # nothing to resume: no trainer (and no config check) needed
             log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} finished ({cfg.train.steps} steps), reusing it")
             done_steps += cfg.train.steps
@@ -118,10 +123,12 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
         trainer.on_step = on_step
         trainer.fit()
         done_steps += cfg.train.steps
+    if not report:
+        return [summarize(d) for d in arm_dirs], None, arm_dirs
     log(f"[sanity] 4/4 report ({done_steps}/{total_steps} steps in {_fmt_s(time.perf_counter() - t_all)})")
-    report = write_report(arm_dirs, out, title="unison sanity test",
-                          notes=_notes(cfg, precisions, algorithms, perf, quantizations))
-    return [summarize(d) for d in arm_dirs], report
+    path = write_report(arm_dirs, out, title="unison sanity test",
+                        notes=_notes(cfg, precisions, algorithms, perf, quantizations))
+    return [summarize(d) for d in arm_dirs], path, arm_dirs
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
