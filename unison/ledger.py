@@ -206,3 +206,52 @@ def shares(metrics: dict) -> str:
         return "ledger: no mismatch (every term 0)"
     return "ledger: " + " | ".join(f"{t} {100 * max(v, 0.0) / total:.0f}%" for t, v in terms) + \
         f" (shares of Σk3 = {total:.2g}; total k1 {metrics['ledger/total_k1']:.2g})"
+
+
+# ------------------------------------------------------------------ wiring a run's ledger
+def build_ledger(cfg, learner, source, model_dir, rollout_dtype, exact: bool = False) -> Ledger | None:
+    """The ledger of a training run (``mismatch.ledger``), or None: off, exact mode (nothing to measure),
+    ``mismatch.decompose_every`` 0. ``on`` refuses a run in which a term cannot be measured."""
+    r = cfg.rollout
+    if cfg.mismatch.ledger == "off" or exact or not cfg.mismatch.decompose_every:
+        return None
+    rescore, why = _rescorer(cfg, source, model_dir, rollout_dtype, str(learner.device))
+    keeps_old = source.max_staleness == 0 or source.weights(0) is not None
+    p = plan(quantized=r.quantization != "none", quantization_aware=cfg.train.quantization_aware,
+             truncated=r.top_p < 1.0 or bool(r.top_k), replay_support=r.replay_sampling_mask, moe=learner.moe,
+             routing_replay=learner.routing_replay, asynchronous=r.max_staleness > 0, can_rescore=why,
+             can_score_old=learner.can_score_other_weights and keeps_old)
+    if cfg.mismatch.ledger == "on" and p.unmeasured:
+        term, reason = next(iter(p.unmeasured.items()))
+        raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "
+                          f"set mismatch.ledger=auto (that term is then merged into its neighbour) or off")
+    return Ledger(learner, p, r.quantization, r.quant_group_size, rescore=rescore, weights=source.weights)
+
+
+def _rescorer(cfg, source, model_dir, dtype, device):
+    """``(fn(batch, version) -> the engine's log μ by a prefill pass, None)``, or ``(None, why not)``. A synchronous
+    native engine still holds the weights it sampled with; a worker's engine is rebuilt here, in the trainer's
+    process, and loaded with the ring's weights of the version asked for."""
+    from unison.rollout import SamplingParams
+    from unison.rollout.native import NativeEngine
+
+    r = cfg.rollout
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    engine = source.engine
+    if isinstance(engine, NativeEngine):
+        return (lambda batch, version: engine.score(batch, params)), None
+    if source.max_staleness and cfg.engine == "native":
+        held: dict = {}
+
+        def rescore(batch, version):
+            if "engine" not in held:
+                held["engine"] = NativeEngine(model_dir, dtype, device, quantization=r.quantization,
+                                              quant_group_size=r.quant_group_size)
+            if held.get("version") != version:
+                held["engine"].load_weights(source.weights(version).items())
+                held["version"] = version
+            return held["engine"].score(batch, params)
+
+        return rescore, None
+    return None, f"engine {cfg.engine} ({cfg.vllm.mode}) does not re-score its samples for unison"
+

@@ -99,7 +99,9 @@ class Trainer:
 
             ops = self_check(self.learner.exact, {self.prec.rollout_dtype, self.prec.learner_dtype}, self.layout[1])
             self.engine.exact.ops = ops
-        self.ledger = self._make_ledger(model_dir)
+        from unison.ledger import build_ledger
+
+        self.ledger = build_ledger(cfg, self.learner, self.source, model_dir, self.prec.rollout_dtype, exact=cfg.exact)
         self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass)
         self.correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
         self.schedule = make_schedule(cfg.train, asynchronous=cfg.rollout.max_staleness > 0)
@@ -123,54 +125,6 @@ class Trainer:
                            prompt_width=self.layout[0] if self.layout else None,
                            quantization=cfg.rollout.quantization,
                            quant_group_size=cfg.rollout.quant_group_size, **vopts)
-
-    def _make_ledger(self, model_dir):
-        """The mismatch ledger (unison/ledger.py) for this run's engine and learner, or None (off, exact mode)."""
-        cfg, r = self.cfg, self.cfg.rollout
-        if cfg.mismatch.ledger == "off" or self.layout is not None or not cfg.mismatch.decompose_every:
-            return None
-        from unison import ledger
-
-        rescore, why = self._rescorer(model_dir)
-        keeps_old = self.source.max_staleness == 0 or self.source.weights(0) is not None
-        p = ledger.plan(quantized=r.quantization != "none", quantization_aware=cfg.train.quantization_aware,
-                        truncated=r.top_p < 1.0 or bool(r.top_k), replay_support=r.replay_sampling_mask,
-                        moe=self.learner.moe, routing_replay=self.learner.routing_replay,
-                        asynchronous=r.max_staleness > 0, can_rescore=why,
-                        can_score_old=self.learner.can_score_other_weights and keeps_old)
-        if cfg.mismatch.ledger == "on" and p.unmeasured:
-            term, reason = next(iter(p.unmeasured.items()))
-            raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "
-                              f"set mismatch.ledger=auto (that term is then merged into its neighbour) or off")
-        return ledger.Ledger(self.learner, p, r.quantization, r.quant_group_size, rescore=rescore,
-                             weights=self.source.weights)
-
-    def _rescorer(self, model_dir):
-        """``(fn(batch, version) -> log μ by a prefill pass of the engine, None)``, or ``(None, why not)``."""
-        from unison.rollout import SamplingParams
-        from unison.rollout.native import NativeEngine
-
-        r = self.cfg.rollout
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        engine = self.source.engine
-        if isinstance(engine, NativeEngine):  # synchronous: it still holds the weights it sampled with
-            return (lambda batch, version: engine.score(batch, params)), None
-        if self.source.max_staleness and self.cfg.engine == "native":  # the worker's engine, rebuilt here
-            holder = {}
-
-            def rescore(batch, version):
-                if "engine" not in holder:
-                    holder["engine"] = NativeEngine(model_dir, self.prec.rollout_dtype, str(self.learner.device),
-                                                    quantization=r.quantization, quant_group_size=r.quant_group_size)
-                    holder["version"] = None
-                eng = holder["engine"]
-                if holder["version"] != version:
-                    eng.load_weights(self.source.weights(version).items())
-                    holder["version"] = version
-                return eng.score(batch, params)
-
-            return rescore, None
-        return None, f"engine {self.cfg.engine} ({self.cfg.vllm.mode}) does not re-score its samples for unison"
 
     def _announce(self) -> None:
         cfg, t, r = self.cfg, self.cfg.train, self.cfg.rollout
@@ -330,7 +284,7 @@ class Trainer:
     def _ledger_metrics(self, batch, rows, logp_pi, step: int) -> dict:
         """The mismatch ledger of this step's batch (unison/ledger.py), on decompose steps, with its console
         line; warns once about a stale engine."""
-        if self.ledger is None or not self._decompose_due(step) or (step + 1) % self.cfg.mismatch.decompose_every:
+        if self.ledger is None or (step + 1) % self.cfg.mismatch.decompose_every:
             return {}
         from unison.ledger import shares
 

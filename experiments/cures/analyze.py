@@ -1,13 +1,14 @@
 """Tables and curves of experiments/cures (issue 27), written under docs/experiments/.
 
-    python experiments/cures/analyze.py runs/cures docs/experiments
+    python experiments/cures/analyze.py runs/cures docs
 
-Writes ``cures.md`` (+ ``cures/*.png``) and the "Cures" section of ``quantized_rollout.md`` and
-``staleness.md`` (between ``<!-- cures:begin -->`` and ``<!-- cures:end -->``). Every arm is a directory
+Writes ``experiments/cures.md`` under ``docs`` (+ its PNGs) and the "Cures" sections of
+``experiments/quantized_rollout.md`` and ``experiments/staleness.md`` (between ``<!-- cures:begin -->``
+and ``<!-- cures:end -->``). Every arm is a directory
 ``runs/cures/<arm>/arms/<run>-s<seed>``; each lever is compared with its regime's collapsing baseline and
 with the clean run **paired by seed** (the same seeds ran in every arm: per-seed differences, mean and 95%
 t-interval), and the goal is checked per seed: a lever reaches ≥ 95% of the clean run's last-10 training
-accuracy on 3/3 seeds. ``intro.md`` (what was found, written from these numbers) goes first.
+accuracy on 3/3 seeds. ``experiments/cures/intro.md`` (what was found, written from these numbers) goes first.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from unison.report import paired_interval  # noqa: E402
 WIN = 10
 GOAL = 0.95
 #: regime -> (clean arm, collapsing baseline, levers, the mismatch metric shown)
+REPORT, QUANT_REPORT, STALE_REPORT = "experiments/cures.md", "experiments/quantized_rollout.md", "experiments/staleness.md"
 REGIMES = {
     "int4 rollout": ("q-none-grpo", "q-int4-grpo",
                      ["q-int4-qat", "q-int4-icepop", "q-int4-ipo", "q-int4-ipo_wide", "q-int4-m2po", "q-int4-budget"],
@@ -214,10 +216,11 @@ def section(arms, names) -> list[str]:
 def main() -> None:
     root, docs = Path(sys.argv[1]), Path(sys.argv[2])
     arms = load(root)
-    img = docs / "cures"
+    report = docs / REPORT
+    img = report.with_suffix("")
     pics = plots(arms, img)
-    here = Path(__file__).resolve().parent
-    intro = (here / "intro.md").read_text().strip() if (here / "intro.md").exists() else ""
+    intro_path = Path(__file__).resolve().parent / "intro.md"
+    intro = intro_path.read_text().strip() if intro_path.exists() else ""
     wall = {a: sum(x["wall"] for x in runs.values()) for a, runs in arms.items()}
     lines = ["# The cures the field ships, on the two runs that collapse (issue 27)", "", intro, "",
              "## Every regime", "", *section(arms, list(REGIMES)),
@@ -226,27 +229,26 @@ def main() -> None:
              "(`python experiments/cures/deploy_gap.py runs/cures`):", "", *deploy_lines(root), "",
              "## Where the mismatch came from (the ledger, every 10th step; K = 4: every 5th)", "",
              "Mean k3 of each term over the logged steps and seeds (share of Σk3):", "", *ledger_lines(arms), "",
-             *[f"![{p.stem}](cures/{p.name})" for p in pics], "",
+             *[f"![{p.stem}]({img.name}/{p.name})" for p in pics], "",
              "## Run time", "",
              f"Step time summed over every arm and seed: {sum(wall.values()) / 3600:.1f} h "
              f"({len(arms)} arms); per arm (3 seeds): " + ", ".join(f"{a} {w / 60:.0f} min" for a, w in sorted(wall.items())),
              ""]
-    (docs / "cures.md").write_text("\n".join(lines) + "\n")
-    for doc, names in (("quantized_rollout.md", ["int4 rollout", "fp8 rollout", "top-p 0.9"]),
-                       ("staleness.md", ["K = 4 staleness"])):
+    report.write_text("\n".join(lines) + "\n")
+    link = f"[{report.name}]({report.name})"
+    for doc, names in ((QUANT_REPORT, ["int4 rollout", "fp8 rollout", "top-p 0.9"]), (STALE_REPORT, ["K = 4 staleness"])):
         path = docs / doc
         text = path.read_text()
         block = "\n".join(["<!-- cures:begin -->", "## Cures (issue 27)", "",
                            "The levers the field ships, at the same recipe, 3 seeds, paired by seed against the collapsing "
                            "run and the clean one (`bash experiments/cures/run.sh`; the whole report, the deploy gap and "
-                           "the ledger: [cures.md](cures.md)).", "", *section(arms, names),
-                           "<!-- cures:end -->"])
+                           f"the ledger: {link}).", "", *section(arms, names), "<!-- cures:end -->"])
         if "<!-- cures:begin -->" in text:
             text = re.sub(r"<!-- cures:begin -->.*<!-- cures:end -->", lambda _: block, text, flags=re.S)
         else:
             text = text.rstrip("\n") + "\n\n" + block + "\n"
         path.write_text(text)
-    print(docs / "cures.md")
+    print(report)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@
 # Every arm is a directory of its own under $OUT sharing one warm start and perfectible set; rerun to
 # continue (finished arms are reused). Then the deploy gap of the int4 arms and the reports:
 #   bash experiments/cures/run.sh          (one command; ~4 h on 2 cores, one thread per run)
-# writes runs/cures/ and docs/experiments/cures.md (+ the cures sections of quantized_rollout.md and
-# staleness.md). PAR=2 runs two arms side by side (one thread each).
+# writes runs/cures/ and docs/experiments/cures.md (+ the cures sections of
+# docs/experiments/quantized_rollout.md and docs/experiments/staleness.md). PAR=2 runs two arms side by side (one thread each).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 UNISON=${UNISON:-unison}
@@ -77,4 +77,4 @@ run_all \
   "p-topp-replay --algorithms grpo --set rollout.top_p=0.9 ${QUANT[*]}" \
   "p-topp-noreplay --algorithms grpo --set rollout.top_p=0.9 --set rollout.replay_sampling_mask=false ${QUANT[*]}"
 $PY experiments/cures/deploy_gap.py "$OUT"
-$PY experiments/cures/analyze.py "$OUT" docs/experiments
+$PY experiments/cures/analyze.py "$OUT" docs
