@@ -362,7 +362,8 @@ class EngineWorker:
     def submit(self, job: int, prompts, params, version: int | None) -> None:
         try:
             _send(self._cmds.fileno(), ("gen", job, prompts, params, version))
-        except OSError:
+        except OSError:  # its end of the pipe is closed: it died
+            self.proc.join(timeout=5)
             raise UnisonError(self._death("generating")) from None
 
     def collect(self, job: int):
