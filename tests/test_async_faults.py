@@ -78,11 +78,24 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _workers() -> list:
     return [p for p in multiprocessing.active_children() if p.name == "unison-rollout-worker" and p.is_alive()]
 
 
-def _worker(tmp_path, **kw) -> EngineWorker:
+def _worker(**kw) -> EngineWorker:
     w = EngineWorker(fake_worker.spec(**kw), [("a", (4,)), ("b", (4,))], slots=2)
     w.publish(0, [("a", torch.zeros(4)), ("b", torch.zeros(4))])
     return w
@@ -91,7 +104,7 @@ def _worker(tmp_path, **kw) -> EngineWorker:
 # ------------------------------------------------------------------ the native worker: hangs and crashes
 def test_3_a_worker_killed_mid_result_stops_the_collect_instead_of_hanging(tmp_path):
     marker = tmp_path / "generated"
-    w = _worker(tmp_path, payload_mib=8, marker=str(marker))
+    w = _worker(payload_mib=8, marker=str(marker))
     try:
         w.submit(1, [[1, 2]], SamplingParams(n=4, max_tokens=2), 0)
         deadline = time.monotonic() + 60
@@ -111,7 +124,7 @@ def test_3_a_worker_killed_mid_result_stops_the_collect_instead_of_hanging(tmp_p
 
 def test_7_a_live_but_stuck_worker_stops_the_collect_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(EngineWorker, "MIN_TIMEOUT_S", 1.0, raising=False)
-    w = _worker(tmp_path, behaviour="hang_after", n=1)  # the first batch comes back, the second never
+    w = _worker(behaviour="hang_after", n=1)  # the first batch comes back, the second never
     try:
         w.submit(1, [[1, 2]], SamplingParams(n=2, max_tokens=2), 0)
         assert len(w.collect(1)[0]) == 2
@@ -138,7 +151,7 @@ def test_7_a_live_but_stuck_worker_stops_the_collect_in_one_line(tmp_path, monke
 def test_14_a_slot_rewritten_while_the_worker_loads_it_is_not_trained_on_as_torn_weights(tmp_path):
     # stale_policy drop (version None: the newest), K = 1: two slots. The worker starts loading version 0
     # (zeros) slowly; meanwhile versions 1 (ones) and 2 (twos, slot 0 again) are published.
-    w = _worker(tmp_path, behaviour="slow_load", seconds=1.0)
+    w = _worker(behaviour="slow_load", seconds=1.0)
     try:
         w.submit(1, [[1, 2]], SamplingParams(n=1, max_tokens=2), None)
         time.sleep(0.3)
@@ -284,18 +297,16 @@ def test_4_sigterm_to_the_process_group_saves_a_checkpoint_and_exits_143(tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, rest
     stops = [x for x in rest.splitlines() if x.startswith("unison: ")]
-    assert len(stops) == 1 and stops[0].startswith("unison: stopped by SIGTERM") and "checkpoint saved" in stops[0], rest
+    assert len(stops) == 1 and stops[0].startswith("unison: stopped by SIGTERM"), rest
+    assert "checkpoint saved" in stops[0], rest
     assert "Traceback" not in rest and "worker" not in rest
     done = ckpt.complete(tmp_path / "run" / "checkpoints")
     steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert done and ckpt.verify(done[-1]) is None and done[-1].name == f"step_{steps[-1]:06d}"
     deadline = time.monotonic() + 10
-    while any(int(p.read_text().rsplit(")", 1)[1].split()[2]) == proc.pid and _alive(int(p.parent.name))
-              for p in Path("/proc").glob("[0-9]*/stat") if p.exists()) and time.monotonic() < deadline:
+    while _group(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    group = [p.parent.name for p in Path("/proc").glob("[0-9]*/stat")
-             if p.exists() and int(p.read_text().rsplit(")", 1)[1].split()[2]) == proc.pid]
-    assert not [pid for pid in group if _alive(int(pid))], "a process of the run outlived it"
+    assert not _group(proc.pid), "a process of the run outlived it"
 
 
 def test_11_a_trainer_that_fails_half_built_or_in_its_final_save_ends_its_rollout_source(tmp_path, rewards,
