@@ -235,7 +235,7 @@ def test_server_requests_run_ahead_and_syncs_wait_between_batches(tmp_path, rewa
         Trainer(_server_cfg(stub.url), tmp_path / "r", log=lambda m: None).fit()
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
-    assert stub.reloads == 3 and set(stub.pause_modes) == {"wait"}
+    assert stub.reloads == 4 and set(stub.pause_modes) == {"wait"}  # version 0 before the first batch, then 3
 
 
 def test_a_resumed_server_run_keeps_its_versions(tmp_path, rewards, tiny_dir):

@@ -76,7 +76,7 @@ def test_a_server_of_another_model_or_without_dev_endpoints_is_refused(tmp_path,
 
 
 def test_a_sync_the_server_did_not_take_is_an_error(tmp_path, tiny_dir, reward_module):
-    with _stub(tiny_dir, frozen_probe=True) as s:
+    with _stub(tiny_dir, probe_frozen_after=2) as s:  # reload 1: version 0 at start; 2: sync 1; 3: sync 2
         t = Trainer(_cfg(s.url, "train.steps=3"), tmp_path / "run")
         with pytest.raises(UnisonError, match="did not take the weights of sync 2"):
             t.fit()

@@ -2,8 +2,15 @@
 
 It answers the endpoints unison uses with canned but well-formed responses: completions of
 random tokens with made-up log-probs, prompt log-probs that change on every reload (or never,
-``frozen_probe``), and it can hang (``hang_after``) or fail (``fail_after``) once a number of
-completion requests have been served.
+``frozen_probe``; or no more after reload ``probe_frozen_after``), and it can hang (``hang_after``)
+or fail (``fail_after``) once a number of completion requests have been served.
+
+Like vLLM it pauses (``/pause?mode=wait|keep|abort``): a completion that arrives or is being
+generated (``completion_delay`` seconds) while it is paused waits for ``/resume``; ``abort`` ends
+those in flight with finish reason ``abort``. Reloads can be slow (``reload_delay``) or fail
+(``fail_reloads``: their 1-based numbers answer 500), a pause can take a while to return
+(``pause_delay``, effective at once), and ``gen_log`` records for every completion the reloads done
+when it started and when it ended (the weights it was really generated with).
 """
 
 from __future__ import annotations
@@ -18,11 +25,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class StubServer:
     def __init__(self, model_root: str, probe_tokens: list[int], vocab: int, *, frozen_probe: bool = False,
                  hang_after: int | None = None, fail_after: int | None = None, dev_mode: bool = True,
-                 reload_delay: float = 0.0, server_info: dict | None = None):
+                 reload_delay: float = 0.0, server_info: dict | None = None, probe_frozen_after: int | None = None,
+                 completion_delay: float = 0.0, fail_reloads=(), pause_delay: float = 0.0):
         self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
         self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
         self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: pause/resume and collective_rpc exist
         self.reload_delay = reload_delay  # seconds a weight reload takes
+        self.probe_frozen_after, self.completion_delay = probe_frozen_after, completion_delay
+        self.fail_reloads, self.pause_delay = set(fail_reloads), pause_delay
+        self.paused = False
+        self.resumed = threading.Condition()
+        self.aborts = 0  # /pause?mode=abort calls: completions in flight then end with "abort"
+        self.reload_paths: list[str] = []
+        self.gen_log: list[tuple[int, int, int]] = []  # (seed, reloads at the start, reloads at the end)
         self.server_info = server_info or {"vllm_config": {"model_config": {"quantization": None},
                                                            "weight_transfer_config": None}}
         self.pause_modes: list[str] = []
@@ -69,14 +84,28 @@ class StubServer:
                 if path == "/pause":
                     from urllib.parse import parse_qs, urlparse
 
-                    stub.pause_modes.append(parse_qs(urlparse(self.path).query).get("mode", ["abort"])[0])
-                if path in ("/pause", "/resume"):
+                    mode = parse_qs(urlparse(self.path).query).get("mode", ["abort"])[0]
+                    stub.pause_modes.append(mode)
+                    with stub.resumed:
+                        stub.paused = True
+                        stub.aborts += mode == "abort"
+                        stub.resumed.notify_all()
+                    time.sleep(stub.pause_delay)
+                    return self._send(200, {"status": "ok"})
+                if path == "/resume":
+                    with stub.resumed:
+                        stub.paused = False
+                        stub.resumed.notify_all()
                     return self._send(200, {"status": "ok"})
                 if path == "/reset_prefix_cache":
                     return self._send(200, {"success": True})
                 if path == "/collective_rpc":
                     time.sleep(stub.reload_delay)
+                    if stub.reloads + 1 in stub.fail_reloads:
+                        stub.fail_reloads.discard(stub.reloads + 1)
+                        return self._send(500, {"detail": "reload failed half-way"})
                     stub.reloads += 1
+                    stub.reload_paths.append(body.get("kwargs", {}).get("weights_path", ""))
                     return self._send(200, {"results": [None]})
                 if path == "/v1/completions":
                     return self._completion(body)
@@ -86,6 +115,8 @@ class StubServer:
                 prompt = body["prompt"]
                 if body.get("prompt_logprobs") is not None:  # the probe after a sync
                     shift = 0 if stub.frozen_probe else stub.reloads
+                    if stub.probe_frozen_after is not None:
+                        shift = min(shift, stub.probe_frozen_after)
                     plp = [None] + [{str(t): {"logprob": -1.0 - 0.01 * shift}} for t in prompt[1:]]
                     return self._send(200, {"choices": [{"index": 0, "token_ids": [0], "prompt_logprobs": plp,
                                                          "logprobs": {"token_logprobs": [-1.0]},
@@ -97,17 +128,41 @@ class StubServer:
                     time.sleep(30)
                 if stub.fail_after is not None and count > stub.fail_after:
                     return self._send(503, {"detail": "engine dead"})
+                aborts = stub.aborts
+                start = stub._run_unpaused(0.0)  # a request that arrives paused waits for /resume
+                stub._run_unpaused(stub.completion_delay)
+                end = stub.reloads
+                finish = "abort" if stub.aborts > aborts else "length"
+                stub.gen_log.append((body.get("seed", 0), start, end))
                 rng = random.Random(body.get("seed", 0))
                 choices = []
                 for i in range(body.get("n", 1)):
                     toks = [rng.randrange(4, stub.vocab) for _ in range(rng.randint(1, body["max_tokens"]))]
-                    choices.append({"index": i, "token_ids": toks, "finish_reason": "length",
+                    choices.append({"index": i, "token_ids": toks, "finish_reason": finish,
                                     "logprobs": {"token_logprobs": [-2.0] * len(toks)}})
                 return self._send(200, {"choices": choices})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def _run_unpaused(self, seconds: float) -> int:
+        """Spend ``seconds`` generating, frozen while paused (and never finishing paused); the reloads
+        done when it began."""
+        step = 0.01
+        with self.resumed:
+            while self.paused:
+                self.resumed.wait()
+            began = self.reloads
+        left = seconds
+        while True:
+            with self.resumed:
+                while self.paused:
+                    self.resumed.wait()
+                if left <= 0:
+                    return began
+            time.sleep(min(step, left))
+            left -= step
 
     def __enter__(self):
         self.thread.start()

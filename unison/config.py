@@ -112,6 +112,10 @@ class RolloutConfig(_Section):
     #: max_staleness ≥ 1 with the native engine: torch threads of the worker process (default: half the
     #: cores); the learner takes the rest
     worker_threads: int | None = Field(None, ge=1)
+    #: max_staleness ≥ 1 with the native engine: seconds the trainer waits for one batch from a worker that
+    #: is alive before it counts as stuck and the run stops (one line; the last checkpoint stays). Default:
+    #: 10 × the slowest batch so far, at least 300 s (the first batch: 3600 s)
+    worker_timeout_s: float | None = Field(None, gt=0)
 
 
 class PolicyConfig(_Section):

@@ -64,6 +64,14 @@ def _stderr(msg: str) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, log=_stderr):
+        try:
+            self._build(cfg, run_dir, resume, log)
+        except BaseException:  # a Trainer that fails half-built (a resume with no usable checkpoint, the run
+            if getattr(self, "source", None) is not None:  # log failing to open) ends its rollout worker
+                self.source.close()
+            raise
+
+    def _build(self, cfg: Config, run_dir: str | Path, resume: bool, log) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         #: optional callback ``on_step(metrics)`` after each step (progress views)
         self.on_step = None
@@ -385,23 +393,23 @@ class Trainer:
                 if due and self.step < total:
                     self.save_checkpoint()
                     saved_at = time.monotonic()
+            if last or not ckpt.complete(self.run_dir / "checkpoints"):
+                self.save_checkpoint()
+            summary = self._summary(last, time.perf_counter() - t_start)
+            if self.dist.is_main:
+                atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+                try:
+                    from unison.report import write_report
+
+                    write_report([self.run_dir], self.run_dir, title=f"run {self.run_dir.name}")
+                except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the run
+                    self.log(f"[train] report skipped: {e}")
         except BaseException:
-            self.source.close()  # a worker process ends with the run, whatever stopped it
+            self.source.close()  # a worker process ends with the run, whatever stopped it (the final save too)
             raise
         finally:
             if stop is not None:
                 stop.restore()
-        if last or not ckpt.complete(self.run_dir / "checkpoints"):
-            self.save_checkpoint()
-        summary = self._summary(last, time.perf_counter() - t_start)
-        if self.dist.is_main:
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-            try:
-                from unison.report import write_report
-
-                write_report([self.run_dir], self.run_dir, title=f"run {self.run_dir.name}")
-            except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the run
-                self.log(f"[train] report skipped: {e}")
         self.runlog.close()
         self.source.close()
         return summary
@@ -445,8 +453,10 @@ class Trainer:
         d.barrier()
         self.learner.save_model(tmp / "model", self.tokenizer)  # collective; rank 0 writes
         self.learner.save_optimizer(tmp / "optimizer")  # collective
+        name, keys, pos, has_gauss, gauss = np.random.get_state()  # plain data and tensors: loads weights_only
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()}, tmp / f"rng_rank{d.rank}.pt")
+                    "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))},
+                   tmp / f"rng_rank{d.rank}.pt")
         d.barrier()
         if d.is_main:
             state = {"step": self.step, "world_size": d.world_size, "learner": self.learner.state_dict(),
@@ -482,7 +492,7 @@ class Trainer:
     def _try_load(self, ck: Path) -> str | None:
         """Load ``ck`` into every component; a one-line reason if it cannot be read."""
         try:
-            state = torch.load(ck / "trainer_state.pt", weights_only=False)
+            state = _load_data(ck / "trainer_state.pt")
             weights = self.learner.read_model(ck / "model")
         except UnisonError:
             raise
@@ -498,13 +508,46 @@ class Trainer:
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
         rng = ck / f"rng_rank{self.dist.rank}.pt"
         if rng.exists():  # absent when resuming on more ranks than wrote the checkpoint
-            r = torch.load(rng, weights_only=False)
+            r = _load_data(rng)
             torch.set_rng_state(r["torch"])
             random.setstate(r["python"])
-            np.random.set_state(r["numpy"])
+            name, keys, *rest = r["numpy"]  # the keys: a tensor, or a numpy array (written by an older unison)
+            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
         self.step = state["step"]
         self.source.resume(self.learner, self.step)
         return None
+
+
+def _numpy_arrays() -> list:
+    """What numpy arrays and scalars of plain dtypes need to unpickle (RNG files written before the keys
+    became a tensor; a numpy number in a component's state), under numpy 2's names and numpy 1's."""
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # pragma: no cover - numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar
+    dtypes = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                          np.uint32, np.uint64, np.float16, np.float32, np.float64)]
+    return [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"), scalar,
+            (scalar, "numpy.core.multiarray.scalar"), np.ndarray, np.dtype, *dtypes]
+
+
+def _load_data(path: Path):
+    """A checkpoint's small state, read as data only (``weights_only``: tensors, numbers, strings,
+    containers, numpy arrays): a run directory written by someone else cannot run code here. Anything
+    else is refused in one line, not skipped over as damage."""
+    import pickle
+    import re
+
+    try:
+        with torch.serialization.safe_globals(_numpy_arrays()):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not str(e).startswith("Weights only load failed"):
+            raise
+        what = re.findall(r"GLOBAL (\S+)", str(e))
+        raise UnisonError(f"--resume: {path} holds more than data{f' (a pickled {what[0]})' if what else ''}: unison "
+                          f"reads checkpoints as data only and will not run code from a run directory; resume only "
+                          f"from checkpoints unison wrote, or start a new run with another --out") from None
 
 
 class _SignalStop:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -264,13 +265,18 @@ class AheadSource(RolloutSource):
         return super().next(step)
 
     def _fill(self, step: int) -> None:
-        """Submit round 0 of every step up to ``step + K`` (the weights they need exist by now)."""
+        """Submit round 0 of every step up to ``step + K`` (the weights they need exist by now). Jobs past the
+        run's last step draw their prompts (a longer run draws the same, and checkpoints record them) but are
+        never generated."""
         K = self.max_staleness
         while self.next_job <= step + K:
             j = self.next_job
             job = self._restored.pop(0) if self._restored and self._restored[0].step == j else super()._job(j, 0)
             job.version = max(0, j - K, self.floor) if self.wait else None
-            self._submit(job)
+            if j < self.cfg.train.steps:
+                self._submit(job)
+            else:
+                self.inflight.append(job)
             self.next_job += 1
 
     def _submit(self, job: Job) -> None:
@@ -359,8 +365,8 @@ class NativeWorkerBackend:
         spec = WorkerSpec(str(model_dir), dtype, device, r.quantization, r.quant_group_size, threads,
                           dist.rank, dist.world_size)
         shapes = [(n, tuple(t.shape)) for n, t in learner.export_weights(None)]
-        check_shared_memory(shapes, r.max_staleness + 1)
-        self.worker = EngineWorker(spec, shapes, slots=r.max_staleness + 1)
+        check_shared_memory(shapes, r.max_staleness + 1, dist)
+        self.worker = EngineWorker(spec, shapes, slots=r.max_staleness + 1, timeout_s=r.worker_timeout_s)
         self.pad_id, self.eos_ids = self.worker.pad_id, self.worker.eos_ids
         self.dp_rank, self.dp_size = dist.rank, dist.world_size
         self.dtype = dtype
@@ -396,7 +402,9 @@ class ServerBackend:
     One thread generates the jobs in order. ``wait``: the weight sync of version v runs on that
     thread too, after the jobs submitted before it, so batch j sees exactly version max(0, j − K).
     ``drop``: syncs run on a thread of their own and reach the server in flight (pause with the
-    requests kept, reload, resume): a response can then span versions (``version_last``)."""
+    requests kept, reload, resume): a response can then span versions (``version_last``). A sync
+    not started yet is superseded by the next one (each holds a host copy of the model): the
+    server takes the newest weights, never a backlog of old ones."""
 
     name = "vllm-server"
 
@@ -432,12 +440,14 @@ class ServerBackend:
                 cmd()
             except BaseException as e:  # noqa: BLE001 - surfaced on the trainer's thread
                 with self._cv:
-                    self._error = e
+                    self._error = self._error or e  # the first failure is the cause; later ones follow from it
                     self._cv.notify_all()
                 return
 
-    def _put(self, q: deque, fn) -> None:
+    def _put(self, q: deque, fn, supersede: bool = False) -> None:
         with self._cv:
+            if supersede:
+                q.clear()
             q.append(fn)
             self._cv.notify_all()
 
@@ -452,7 +462,7 @@ class ServerBackend:
             with self._cv:
                 self._sync_metrics = m
 
-        self._put(self._gen_q if self.wait else self._sync_q, apply)
+        self._put(self._gen_q if self.wait else self._sync_q, apply, supersede=not self.wait)
         with self._cv:
             return dict(self._sync_metrics)
 
@@ -501,7 +511,7 @@ class ServerBackend:
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=5)
-        self.engine.close()
+        self.engine.close()  # it waits for a reload in progress, which resumes the server
 
 
 class _EvalIds:
@@ -515,22 +525,41 @@ class _EvalIds:
         return self.n
 
 
-def check_shared_memory(named_shapes, slots: int) -> None:
-    """The weight ring needs ``slots`` fp32 copies of the model in /dev/shm: refuse in one line when it
-    cannot hold them (a container's default is 64 MB) instead of failing later with SIGBUS."""
+def check_shared_memory(named_shapes, slots: int, dist=None) -> None:
+    """The weight ring needs ``slots`` fp32 copies of the model in /dev/shm, per rank — and the ranks of a
+    node (``LOCAL_WORLD_SIZE``, set by torchrun) share one /dev/shm: refuse in one line, on every rank at
+    once (``dist``: they all check before any allocates), when it cannot hold them (a container's default
+    is 64 MB) or does not exist, instead of failing later with SIGBUS or a traceback."""
+    problem = _shared_memory_problem(named_shapes, slots)
+    if dist is not None:
+        problem = next((p for p in dist.all_gather_object(problem) if p), None)
+    if problem:
+        raise UnisonError(problem)
+
+
+def _shared_memory_problem(named_shapes, slots: int) -> str | None:
     import math
     import os
+    import sys
 
-    need = slots * 4 * sum(math.prod(s) for _, s in named_shapes)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    need = ranks * slots * 4 * sum(math.prod(s) for _, s in named_shapes)
     try:
         st = os.statvfs("/dev/shm")
+    except FileNotFoundError:
+        if sys.platform.startswith("linux"):  # torch's shared memory lives there: every allocation would fail
+            return ("rollout.max_staleness keeps the weights in shared memory and this machine has no /dev/shm: "
+                    "mount a tmpfs there (docker --shm-size), or set rollout.max_staleness=0")
+        return None  # pragma: no cover - not Linux: shared memory lives elsewhere
     except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return
+        return None
     free = st.f_bavail * st.f_frsize
-    if need > free:
-        raise UnisonError(f"rollout.max_staleness keeps {slots} fp32 copies of the weights in shared memory "
-                          f"({need / 2**30:.2f} GiB) and /dev/shm has {free / 2**30:.2f} GiB free: lower "
-                          f"rollout.max_staleness, or give the container more (docker --shm-size)")
+    if need <= free:
+        return None
+    who = f"{ranks} ranks on this node × {slots}" if ranks > 1 else f"{slots}"
+    return (f"rollout.max_staleness keeps {who} fp32 copies of the weights in shared memory "
+            f"({need / 2**30:.2f} GiB) and /dev/shm has {free / 2**30:.2f} GiB free: lower "
+            f"rollout.max_staleness, or give the container more (docker --shm-size)")
 
 
 def _cores() -> int:
@@ -546,11 +575,31 @@ def make_source(cfg, engine_factory, task, reward, tokenizer, prompt_ids, dist, 
     """The synchronous source (K = 0) or the one that runs ahead (K ≥ 1) for this config."""
     K = cfg.rollout.max_staleness
     if K == 0:
-        return RolloutSource(engine_factory(), task, reward, tokenizer, prompt_ids, cfg, dist)
+        engine = engine_factory()
+        try:
+            _sync_server(engine, learner)
+        except BaseException:
+            engine.close()
+            raise
+        return RolloutSource(engine, task, reward, tokenizer, prompt_ids, cfg, dist)
     if cfg.engine == "native":
         backend = NativeWorkerBackend(model_dir, dtype, str(learner.device), cfg, dist, learner)
-        backend.publish(learner, 0)
+        start = partial(backend.publish, learner, 0)
     else:
         engine = engine_factory()
         backend = ServerBackend(engine, cfg)
-    return AheadSource(backend, task, reward, tokenizer, prompt_ids, cfg, dist)
+        start = partial(_sync_server, engine, learner)
+    try:  # version 0 reaches the engine before the first batch is submitted
+        start()
+        return AheadSource(backend, task, reward, tokenizer, prompt_ids, cfg, dist)
+    except BaseException:
+        backend.close()  # a worker process or a server's threads end with the failure
+        raise
+
+
+def _sync_server(engine, learner) -> None:
+    """A vLLM server holds the weights it was started with, or a previous run's last ones: the learner's
+    (version 0) reach it before the first batch is sampled. An in-process engine loads the model
+    directory the learner loads, and needs nothing."""
+    if getattr(engine, "name", "") == "vllm-server":
+        engine.apply_sync(engine.prepare_sync(learner), version=0)

@@ -31,6 +31,7 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -359,6 +360,15 @@ class VLLMServerEngine:
         self.sync_dir = Path(sync_dir) if sync_dir else None  # the trainer sets a default under --out
         self.version = 0
         self._nccl = None
+        #: held for a whole sync; close() waits on it, so the server is never left paused
+        self._sync_lock = threading.Lock()
+        self._paused = False
+        #: why the server's weights can no longer be trusted (a reload that failed half-way): every
+        #: request in flight then fails with it instead of returning samples of mixed weights
+        self._broken: str | None = None
+        #: a pause in flight: requests wait for it (they will run under the new version, and say so)
+        self._gate = threading.Condition()
+        self._pausing = False
         self._probe_ids = list(self.tokenizer(PROBE_TEXT)["input_ids"])
         self._last_server_probe: list[float] | None = None
         self._last_learner_probe: list[float] | None = None
@@ -499,9 +509,14 @@ class VLLMServerEngine:
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_tokens": params.max_tokens, "seed": seeds[i], "logprobs": 0, "return_token_ids": True,
                     "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
-            first = self.version
+            with self._gate:  # a request sent while a pause is in flight is held by the server: new version
+                while self._pausing:
+                    self._gate.wait()
+                first = self.version
+            self._trusted()
             out = self._request("POST", "/v1/completions", "a completion request", json=body)
             last = self.version  # a sync that reached the server in flight makes the response span versions
+            self._trusted()  # a reload that failed while this request was in flight: mixed weights
             comps = []
             for si, c in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
                 if c.get("finish_reason") not in ("stop", "length"):
@@ -514,6 +529,10 @@ class VLLMServerEngine:
 
         with cf.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
             return [c for part in pool.map(one, range(len(prompts))) for c in part]
+
+    def _trusted(self) -> None:
+        if self._broken:
+            raise UnisonError(self._broken)
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The server's log-prob of every token after the first of each sequence."""
@@ -550,14 +569,19 @@ class VLLMServerEngine:
         """Put prepared weights (the learner's ``version``) on the server. ``in_flight``: requests being
         generated are kept (paused, then continued with the new weights) instead of finished first. The
         engine's version changes once the server is paused: requests sent before then are labelled with the
-        old one (their first tokens are), those queued during the reload with the new one."""
-        self._pending_version = self.version + 1 if version is None else version
-        if self.weight_sync == "nccl":
-            self._sync_nccl(prepared["learner"])
-        else:
-            self._sync_disk(prepared["weights"], "keep" if in_flight else "wait")
-        self.version = self._pending_version  # every rank (rank 0 set it when the server paused)
-        return self._check_probe(prepared["probe"])
+        old one (their first tokens are), those sent while the pause is in flight or during the reload wait
+        for it and take the new one. A request sent just before the pause that the server had not started
+        yet runs wholly under the new weights with the old label: labels err towards older, never newer
+        (the staleness bound holds; ``drop`` and ``loglinear`` then see it one version older, docs/async.md)."""
+        with self._sync_lock:
+            self._trusted()
+            self._pending_version = self.version + 1 if version is None else version
+            if self.weight_sync == "nccl":
+                self._sync_nccl(prepared["learner"])
+            else:
+                self._sync_disk(prepared["weights"], "keep" if in_flight else "wait")
+            self.version = self._pending_version  # every rank (rank 0 set it when the server paused)
+            return self._check_probe(prepared["probe"])
 
     def _sync_disk(self, weights: dict, pause_mode: str = "wait") -> None:
         from safetensors.torch import save_file
@@ -578,23 +602,50 @@ class VLLMServerEngine:
             os.replace(tmp, final)  # the server never sees a half-written file
             del weights
             try:
-                self._request("POST", "/pause", "pause", params={"mode": pause_mode})
-                self.version = self._pending_version
+                self._pause(pause_mode)
                 try:
                     self._request("POST", "/collective_rpc", "the weight reload",
                                   json={"method": "reload_weights",
                                         "kwargs": {"weights_path": str(final.resolve()), "is_checkpoint_format": True}})
                     self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
+                except UnisonError as e:
+                    # recorded before the server resumes: the requests in flight would go on under half-loaded
+                    # layers; they are aborted, and fail with this if they come back anyway
+                    self._broken = str(e)
+                    if pause_mode == "keep":
+                        try:
+                            self._request("POST", "/pause", "abort", params={"mode": "abort"})
+                        except UnisonError:
+                            pass
+                    raise
                 finally:
-                    self._request("POST", "/resume", "resume")
+                    self._resume()
             except UnisonError as e:
                 error = str(e)
-            for old in self.sync_dir.glob("v*"):
+            for old in [*self.sync_dir.glob("v*"), *self.sync_dir.glob(".tmp-v*")]:  # older runs' leftovers too
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
         error = d.broadcast_object(error)
         if error:
             raise UnisonError(error)
+
+    def _pause(self, mode: str) -> None:
+        """Pause the server; the engine's version is the new one from here on (requests sent now are held
+        until the reload ends, and are labelled with it)."""
+        with self._gate:
+            self._pausing = True
+        try:
+            self._request("POST", "/pause", "pause", params={"mode": mode})
+            self._paused = True
+            self.version = self._pending_version
+        finally:
+            with self._gate:
+                self._pausing = False
+                self._gate.notify_all()
+
+    def _resume(self) -> None:
+        self._request("POST", "/resume", "resume")
+        self._paused = False
 
     def _sync_nccl(self, learner) -> None:  # pragma: no cover - GPU only, UNTESTED
         """vLLM's own weight transfer (NCCL broadcast from trainer rank 0 to the server's workers)."""
@@ -672,6 +723,19 @@ class VLLMServerEngine:
         pass
 
     def close(self) -> None:
+        """Wait for a sync in progress (it ends by resuming the server: a later run must not find it
+        paused), at most one request time-out; past that, resume the server from here."""
+        held = self._sync_lock.acquire(timeout=self.timeout)
+        try:
+            if self._paused:
+                try:
+                    self._resume()
+                except UnisonError:
+                    pass
+        finally:
+            if held:
+                self._sync_lock.release()
         if self._nccl is not None:
             self._nccl.shutdown()
+            self._nccl = None
         self.http.close()
