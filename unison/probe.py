@@ -151,8 +151,19 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     """Run every arm; return ``{"results": [...], "config": ..., "samples": ...}``.
 
     ``samples`` (token probabilities and per-response log-ratios, for plots) is
-    not part of ``probe.json``.
+    not part of ``probe.json``. Each arm's engine is closed before the next is built (a vLLM
+    engine holds its share of the GPU until then), and whatever stops the probe closes the open one.
     """
+    opened: list = []
+    try:
+        return _run_arms(cfg, log, opened)
+    finally:
+        while opened:
+            opened.pop().close()
+
+
+def _run_arms(cfg: ProbeConfig, log, opened: list) -> dict:
+    """:func:`run_probe`'s arms; ``opened`` holds the engine in use (the caller closes it on the way out)."""
     inputs = validate(cfg)
     model_dir, precisions, engines = inputs.model_dir, inputs.precisions, inputs.engines
     prompts, prompt_ids = inputs.prompts, inputs.prompt_ids
@@ -181,7 +192,9 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         log(f"[probe] {label}: loading engine ({prec.rollout}{', weights ' + quant if qtag else ''})")
         engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
                              seed=cfg.seed, exact=exact, prompt_width=width if exact else None,
-                             quantization=quant, quant_group_size=cfg.quant_group_size)
+                             quantization=quant, quant_group_size=cfg.quant_group_size,
+                             max_len=width + cfg.max_new_tokens)  # vLLM reserves this context, not the model's
+        opened.append(engine)
         if exact:
             engine.exact.ops = exact_ops
         log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
@@ -232,7 +245,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             timings.append({"engine": engine_name, "precision": prec.label, "quantization": quant, "rollout_s": t_roll,
                             "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
                             "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
-        del engine
+        opened.remove(engine)
+        engine.close()
     config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
               "precisions": precisions, "engines": engines, "quantizations": inputs.quantizations,
               "num_prompts": len(prompts)}
