@@ -220,7 +220,7 @@ def _class_sets(node: ast.ClassDef, name: str) -> bool:
         for t in targets:
             if isinstance(t, ast.Name) and t.id == name:
                 return True
-            if isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name) and t.value.id == "self":
+            if isinstance(t, ast.Attribute) and t.attr == name and getattr(t.value, "id", None) == "self":
                 return True
     return False
 

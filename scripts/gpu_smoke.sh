@@ -60,7 +60,8 @@ if [ "$INNER" = 0 ]; then  # ---- the script itself: the budget, the stages unde
   : >"$CHECKS"
   SUM=0; for s in $STAGES; do SUM=$((SUM + ${s#*:})); done
   OK=false; [ "$SUM" -le 530 ] && [ $((TOTAL + GRACE)) -le 570 ] && OK=true
-  emit "{\"check\": \"budget\", \"ok\": $OK, \"stage_timeouts_s\": \"$STAGES\", \"sum_s\": $SUM, \"stops_by_s\": $((TOTAL + GRACE)), \"cut_at_s\": $((CUT * SCALE)), \"timeout_scale\": $SCALE}"
+  emit "{\"check\": \"budget\", \"ok\": $OK, \"stage_timeouts_s\": \"$STAGES\", \"sum_s\": $SUM,\
+ \"stops_by_s\": $((TOTAL + GRACE)), \"cut_at_s\": $((CUT * SCALE)), \"timeout_scale\": $SCALE}"
   T0=$SECONDS
   timeout -k $((GRACE * SCALE)) $((CUT * SCALE)) bash "$0" --stages "$WORK" </dev/null
   RC=$?

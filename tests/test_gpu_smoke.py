@@ -86,9 +86,13 @@ def test_a_check_line_is_found_past_late_warnings_and_a_failed_stage_says_why(tm
 def _wheel(path: Path, dist: str, module: str) -> Path:
     files = {f"{module}/__init__.py": b"ANSWER = 42\n",
              f"{dist}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n".encode(),
-             f"{dist}-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b'=').decode()},{len(b)}\n"
-                     for n, b in files.items()) + f"{dist}-0.1.dist-info/RECORD,,\n"
+             f"{dist}-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                            b"Tag: py3-none-any\n"}
+
+    def digest(b: bytes) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{n},sha256={digest(b)},{len(b)}\n" for n, b in files.items()) + f"{dist}-0.1.dist-info/RECORD,,\n"
     whl = path / f"{dist}-0.1-py3-none-any.whl"
     with zipfile.ZipFile(whl, "w") as z:
         for n, b in files.items():
@@ -103,8 +107,8 @@ def test_install_puts_only_the_missing_wheels_on_the_pythonpath_and_imports_unis
     _wheel(wheels, "unison_smoke_probe", "unison_smoke_probe")
     (wheels / "PyYAML-6.0.4-cp311-cp311-manylinux_2_17_x86_64.whl").write_bytes(b"not a wheel: never opened")
     path = os.pathsep.join([str(ROOT), str(site), os.environ.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_smoke.py"), "install", str(wheels), str(site), "cpu"],
-                       capture_output=True, text=True, env=_env(PYTHONPATH=path), timeout=300)
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_smoke.py"), "install", str(wheels), str(site), "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(PYTHONPATH=path), timeout=300)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["installed"] == ["unison_smoke_probe"] and "PyYAML" in out["image_has"]  # the image's stays
     assert (site / "unison_smoke_probe" / "__init__.py").is_file() and not (site / "yaml").exists()
@@ -242,3 +246,24 @@ def test_the_package_requires_nothing_the_gpu_image_cannot_satisfy():
     image = {"torch": "2.11.0", "transformers": "5.17.0"}  # ../shared/ENVIRONMENT.md, "The GPU machine"
     for name, version in image.items():
         assert deps[name].specifier.contains(version), f"pyproject.toml requires {deps[name]}; the image has {version}"
+
+
+# 4 — the smoke model's tokenizer decodes every one of its 151,936 ids ------------------------------------
+def test_a_character_tokenizer_of_a_real_vocab_size_decodes_every_id_and_encodes_text_as_before():
+    from unison.errors import UnisonError
+    from unison.models import build_char_tokenizer
+
+    small, big = build_char_tokenizer(), build_char_tokenizer(vocab_size=smoke.VOCAB)
+    assert len(small) == 100 and len(big) == smoke.VOCAB
+    text = "12+35=47. The quick brown fox"
+    assert big(text)["input_ids"] == small(text)["input_ids"]  # one id per character, as before
+    texts = big.batch_decode([[i] for i in range(smoke.VOCAB)])
+    special = set(big.all_special_ids)
+    assert all(t for i, t in enumerate(texts) if i not in special) and len(set(texts)) == smoke.VOCAB  # each its own
+    assert small.decode([5000]) == "" and big.decode([5000]) == texts[5000] != ""  # the old one dropped it
+    try:
+        build_char_tokenizer(vocab_size=50)
+    except UnisonError as e:
+        assert "100 to" in str(e)
+    else:
+        raise AssertionError("a vocabulary smaller than the characters was accepted")
