@@ -12,9 +12,10 @@
 #             their own on PYTHONPATH (the image's environment is not written to; PYTHONPATH is extended,
 #             never replaced); unison is imported from this tree, not installed; torch, transformers and
 #             the GPU, and every torch/transformers API the smoke's code paths use (scripts/gpu_smoke.py)
-#  model      a random Qwen2-0.5B-shaped model (vocab 151936, 24 layers, d 896) made peaked (mean next-token
-#             entropy 0.5-3 nats: near-uniform outputs make every precision look alike) and given a likely
-#             EOS (mean p(EOS) 2/256: responses end at varied lengths), with a tokenizer that decodes every id
+#  model      a random Qwen2-0.5B-shaped model (vocab 151936, 24 layers, d 896) with a tokenizer that decodes
+#             every id, made peaked (mean next-token entropy 0.5-3 nats: near-uniform outputs make every
+#             precision look alike) and given stop ids (2 in 256 of its ids beside the EOS: responses end at
+#             varied lengths)
 #  probe      `unison probe --precision fp32,bf16,fp16 --param-dtype fp32,compute` (native engine) on the
 #             device: the mismatch of each precision, ordered bf16 > fp16 > fp32
 #  train/*    `unison train` under torchrun (world size 1, FSDP2), a length reward that varies: fp16 3 steps
