@@ -63,13 +63,37 @@ def install(wheel_dir: Path, site: Path) -> dict:
     wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
     todo, have = missing_wheels(wheels)
     site.mkdir(parents=True, exist_ok=True)
-    if todo:
+    if todo and _has_pip():
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
                *map(str, todo)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"pip install --target {site} failed ({r.returncode}): {r.stderr.strip()[-400:]}")
+    elif todo:
+        for w in todo:
+            unpack_wheel(w, site)
     return {"installed": [wheel_dist(w) for w in todo], "image_has": have}
+
+
+def _has_pip() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pip") is not None
+
+
+def unpack_wheel(wheel: Path, site: Path) -> None:
+    """What ``pip install --target`` does with a wheel, for an image without pip: its files into ``site``
+    (``*.data/purelib`` and ``platlib`` too; scripts and headers are not needed here)."""
+    import shutil
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    for data in site.glob("*.data"):
+        for kind in ("purelib", "platlib"):
+            for item in (data / kind).glob("*") if (data / kind).is_dir() else []:
+                shutil.move(str(item), str(site / item.name))
+        shutil.rmtree(data)
 
 
 def environment(device: str) -> dict:
@@ -503,8 +527,9 @@ def train_check(run: Path, name: str, steps: int, precision: str) -> dict:
             "response_length_mean": [round(r.get("response_length/mean", 0.0), 1) for r in rows],
             "step_s": [round(r.get("time/step_s", 0.0), 2) for r in rows],
             "decode_tokens_per_s": per_s("time/generate_s"), "update_tokens_per_s": per_s("time/update_s"),
-            # grad-noise telemetry is off in the smoke (train.grad_noise: false): on, it keeps an fp32 copy of
-            # the gradient (4 bytes per parameter, +2.3 GiB on this model) that these peaks would include
+            # grad-noise telemetry is off in the smoke (train.grad_noise: false): on, it keeps an fp32 copy of the
+            # gradient and makes a second one per micro-batch (learner.GradNoiseProbe: 8 bytes per parameter at
+            # its peak, +4.7 GiB on this model), which these peaks would include
             "cuda_peak_gib_per_step": [round(r["memory/cuda_max_allocated_gib"], 2)
                                        if _finite(r.get("memory/cuda_max_allocated_gib")) else None for r in rows],
             "grad_noise_telemetry": False}

@@ -23,7 +23,7 @@
 #             final checkpoint moved, only that checkpoint kept), a resume to step 4; bf16 3 steps packed and
 #             1 step padded from the same seed, `train/packed_vs_padded` (same rollouts, lengths that vary,
 #             loss, entropy and k3 within bf16 noise). Per-step peak GPU memory (grad-noise telemetry off: on,
-#             it adds an fp32 gradient copy), decode and update tokens/s. Only final checkpoints are written.
+#             it adds two fp32 gradient copies, +4.7 GiB), decode and update tokens/s. Only final checkpoints.
 # Results: checks.jsonl, probe.json, each run's metrics.jsonl and summary.json and the tail of every log go
 # to $RESULTS when it is set (small files only); everything else, checkpoints included, stays in WORK_DIR.
 # What it cannot cover: vLLM (not on the GPU image: vllm 0.32 needs torch 2.13, the image has 2.11, and its

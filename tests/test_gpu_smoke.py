@@ -120,6 +120,16 @@ def test_install_puts_only_the_missing_wheels_on_the_pythonpath_and_imports_unis
         sys.path.remove(str(site))
 
 
+def test_without_pip_the_missing_wheels_are_unpacked_into_the_folder(tmp_path, monkeypatch):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _wheel(wheels, "unison_smoke_probe", "unison_smoke_probe")
+    monkeypatch.setattr(smoke, "_has_pip", lambda: False)
+    assert smoke.install(wheels, site)["installed"] == ["unison_smoke_probe"]
+    assert (site / "unison_smoke_probe" / "__init__.py").read_text() == "ANSWER = 42\n"
+    assert (site / "unison_smoke_probe-0.1.dist-info" / "METADATA").is_file()  # the next run sees it installed
+
+
 def test_the_script_extends_pythonpath_and_never_installs_into_the_image():
     text = SCRIPT.read_text()
     assert 'export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"' in text
