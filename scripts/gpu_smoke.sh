@@ -29,7 +29,8 @@
 # What it cannot cover: vLLM (not on the GPU image: vllm 0.32 needs torch 2.13, the image has 2.11, and its
 # wheel is larger than what reaches the machine), multi-GPU NCCL, the paper-scale configs.
 # Dry run: SMOKE_DEVICE=cpu SMOKE_SMALL=1 (a narrow model, 16 tokens); SMOKE_TIMEOUT_SCALE=N multiplies every
-# time-out (a 2-core AMD EPYC without fp16 units needs 5).
+# time-out (on a 2-core AMD EPYC without fp16 units train/fp16 took 63 s of its 100, twice that when the
+# machine is busy: give it 2 or more there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
