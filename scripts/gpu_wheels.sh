@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Run on a machine WITH network: download the wheels scripts/gpu_smoke.sh installs on the GPU machine
+# Run on a machine WITH network: download the wheels scripts/gpu_smoke.sh may need on the GPU machine
 # (Python 3.12, manylinux x86_64; that image already has torch, transformers, safetensors, tokenizers,
-# numpy, matplotlib, rich, pyyaml, pytest). Carry ./wheels (the device tool's `carry`). Every wheel is
-# pinned: pydantic-core must be the build pydantic 2.14.4 was released against.
+# numpy, matplotlib, rich, pyyaml, pytest, httpx and its dependencies, sympy). Carry ./wheels (the device
+# tool's `carry`; about 11 MB): the smoke installs only those whose package the image lacks, into a folder
+# of their own on PYTHONPATH. Every wheel is pinned: pydantic-core must be the build pydantic 2.14.4 was
+# released against.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \

@@ -246,3 +246,139 @@ def test_the_server_sync_probe_scores_at_temperature_1(tiny_dir):
     assert t1 == eng._learner_probe(learner)  # the raw model's log-probs, as the server's prompt log-probs
     learner.temperature = 0.6
     assert learner.temperature == 0.6
+
+
+# issue 30 ----------------------------------------------------------------------------------------------
+# 9, 10 — the probe closes its engines (in a finally) and gives vLLM the run's context
+def test_each_probe_arm_closes_its_engine_before_the_next_is_built(tmp_path, monkeypatch):
+    from unison import probe
+
+    events, real = [], probe.make_engine
+
+    def make(name, model_dir, dtype, **kw):
+        engine = real(name, model_dir, dtype, **kw)
+        events.append(("built", str(dtype), kw.get("max_len")))
+        engine.close = lambda: events.append(("closed", str(dtype)))
+        return engine
+
+    monkeypatch.setattr(probe, "make_engine", make)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "12+35="}\n{"prompt": "Once upon a time"}\n')
+    cfg = probe.ProbeConfig(prompts=str(tmp_path / "p.jsonl"), precisions=["fp32", "bf16"], n=1, max_new_tokens=3)
+    width = max(len(p) for p in probe.validate(cfg).prompt_ids)
+    probe.run_probe(cfg, log=lambda m: None)
+    assert events == [("built", "torch.float32", width + 3), ("closed", "torch.float32"),
+                      ("built", "torch.bfloat16", width + 3), ("closed", "torch.bfloat16")]
+
+
+def test_a_failing_probe_still_closes_its_vllm_engine_which_reserved_only_the_runs_context(fake_vllm, monkeypatch):
+    from unison.probe import ProbeConfig, run_probe, validate
+
+    def generate(self, prompts, params):
+        raise RuntimeError("sampling failed")
+
+    monkeypatch.setattr(VLLMEngine, "generate", generate)
+    cfg = ProbeConfig(engines=["vllm"], precisions=["bf16"], n=1, max_new_tokens=7)
+    width = max(len(p) for p in validate(cfg).prompt_ids)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        run_probe(cfg, log=lambda m: None)
+    llm = FakeLLM.instances[-1]
+    assert "shutdown" in llm.calls  # closed on the way out: the next precision's engine would find the GPU free
+    assert llm.kw.get("max_model_len") == width + 7  # not the model's whole context
+
+
+# 11 — LoRA + vllm.weight_sync nccl: the transfer announces what it sends (merged weights, base names)
+def test_the_nccl_weight_transfer_of_a_lora_learner_announces_the_merged_base_named_weights(tiny_dir, monkeypatch):
+    from dataclasses import dataclass
+
+    from unison.config import LoRAConfig
+    from unison.learner import Learner
+
+    record = {}
+
+    @dataclass(frozen=True)
+    class ParamMeta:  # vllm/distributed/weight_transfer/base.py (0.32.0)
+        name: str
+        dtype: torch.dtype
+        shape: tuple
+
+    class Transfer:  # what vLLM 0.32's NCCL trainer engine checks of a WeightSource (nccl_engine._checked_iter)
+        def __init__(self, source):
+            self.source = source
+
+        def send_weights(self):
+            meta = [(m.name, m.dtype, m.shape) for m in self.source.metadata()]
+            sent = [(n, t.dtype, tuple(t.shape)) for n, t in self.source]
+            record.update(meta=meta, sent=sent)
+            if meta != sent:
+                raise ValueError("WeightSource metadata() disagrees with iteration")
+
+        def shutdown(self):
+            pass
+
+    class Factory:
+        @staticmethod
+        def trainer_init(info, client, source):
+            record["world_size"] = info.world_size
+            return Transfer(source)
+
+    parts = {"vllm.distributed.weight_transfer.base": {"ParamMeta": ParamMeta, "WeightSource": object},
+             "vllm.distributed.weight_transfer.clients": {"HTTPVLLMWeightSyncClient": lambda url, timeout: None},
+             "vllm.distributed.weight_transfer.factory": {"WeightTransferTrainerFactory": Factory},
+             "vllm.distributed.weight_transfer.nccl_engine": {
+                 "NCCLTrainerInitInfo": lambda **kw: types.SimpleNamespace(**kw)}}
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer", *parts):
+        mod = types.ModuleType(name)
+        mod.__dict__.update(parts.get(name, {}))
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(vllm_engine, "_local_transfer_engine", lambda: None)
+    learner = Learner(tiny_dir, lora_cfg=LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"]))
+    info = {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}
+    with _stub(tiny_dir, server_info=info) as stub:
+        eng = _server(stub.url, tiny_dir, dtype=torch.bfloat16)
+        eng.sync_weights(learner)
+    names = [n for n, _, _ in record["sent"]]
+    assert record["meta"] == record["sent"] and record["world_size"] == 2
+    assert names == [n for n, _ in learner.export_shapes()]
+    assert not any("lora_" in n or "base_layer" in n for n in names)
+    assert "model.layers.0.self_attn.q_proj.weight" in names and all(d == torch.bfloat16 for _, d, _ in record["sent"])
+    assert {"POST /pause", "POST /resume"} <= set(stub.calls)
+
+
+# 12 — a torchrun job destroys its process group when its run ends
+def test_a_torchrun_train_destroys_its_process_group_at_the_end(tmp_path, monkeypatch):
+    import signal
+    import socket
+
+    import torch.distributed as tdist
+
+    from unison import distributed
+    from unison.trainer import Trainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    during, real_fit = [], Trainer.fit
+
+    def fit(self):
+        during.append(self.dist.enabled and tdist.is_initialized())
+        return real_fit(self)
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        sets = ["task.digits=1", "task.train_size=8", "task.eval_size=0", "rollout.n=2", "rollout.max_new_tokens=3",
+                "train.prompts_per_step=2", "train.steps=1", "log.console=false", "log.tensorboard=false"]
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("seed: 0\n")
+        assert main(["train", str(cfg), "--out", str(tmp_path / "r"), *[x for s in sets for x in ("--set", s)]]) == 0
+        assert during == [True]  # the run was a job with a process group (FSDP2 on one gloo rank) ...
+        assert not tdist.is_initialized() and not distributed.current().enabled  # ... destroyed at its end
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        monkeypatch.setattr(distributed, "_CURRENT", distributed.Dist())

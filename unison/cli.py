@@ -149,6 +149,7 @@ def cmd_train(args) -> int:
         config = saved
     cfg = load_config(config, args.set)
     summary = Trainer(cfg, args.out, resume=args.resume).fit()
+    current().close()  # a torchrun job's process group ends with its run (one process: nothing to do)
     if current().is_main:
         print(f"done: {summary['steps']} steps, reward {_num(summary['reward_first'])} -> "
               f"{_num(summary['reward_last'])} (last-5 mean {_num(summary['reward_last5_mean'])}); run in {args.out}")

@@ -700,6 +700,15 @@ class Learner:
         for name, t in params:
             yield name, (t if dtype is None else t.to(dtype))
 
+    def export_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, full shape)`` of every tensor :meth:`export_weights` yields, in its order, without
+        materialising any (what a weight transfer announces before sending). With LoRA: the base names."""
+        if self.peft is not None:
+            from unison import lora
+
+            return lora.merged_shapes(self.model)
+        return [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``export_weights()`` in the master dtype (the engine casts)."""
         return self.export_weights(None)

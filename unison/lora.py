@@ -50,10 +50,9 @@ def _lora_layers(model):
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
 
 
-def merged_weights(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(base name, merged tensor)`` for every parameter, the model itself unchanged.
-    ``full`` materialises a (possibly sharded) parameter; every rank must iterate in step."""
+def _exported(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.nn.Module | None]]:
+    """``(base name, tensor, LoRA layer or None)`` in export order: an adapted layer's weight comes once,
+    under the base name, with its layer (to merge); every other tensor as it is."""
     layers = dict(_lora_layers(model))
     done = set()
     for name, p in model.named_parameters():
@@ -64,14 +63,31 @@ def merged_weights(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.
                 continue
             done.add(layer_name)
             m = layers[layer_name]
-            w = full(m.base_layer.weight.detach()).clone()
-            a, b = full(m.lora_A[ADAPTER].weight.detach()), full(m.lora_B[ADAPTER].weight.detach())
-            w += (b @ a) * m.scaling[ADAPTER]
-            yield f"{layer_name}.weight", w
+            yield f"{layer_name}.weight", m.base_layer.weight, m
             if m.base_layer.bias is not None:
-                yield f"{layer_name}.bias", full(m.base_layer.bias.detach())
+                yield f"{layer_name}.bias", m.base_layer.bias, None
         else:
-            yield name, full(p.detach())
+            yield name, p, None
+
+
+def merged_weights(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(base name, merged tensor)`` for every parameter, the model itself unchanged.
+    ``full`` materialises a (possibly sharded) parameter; every rank must iterate in step."""
+    for name, t, m in _exported(model):
+        if m is None:
+            yield name, full(t.detach())
+            continue
+        w = full(t.detach()).clone()
+        a, b = full(m.lora_A[ADAPTER].weight.detach()), full(m.lora_B[ADAPTER].weight.detach())
+        w += (b @ a) * m.scaling[ADAPTER]
+        yield name, w
+
+
+def merged_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(base name, full shape)`` of what :func:`merged_weights` yields, in its order, nothing
+    materialised (a sharded parameter's shape is its global one)."""
+    return [(name, tuple(t.shape)) for name, t, _ in _exported(model)]
 
 
 def adapter_state(full_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

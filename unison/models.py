@@ -70,18 +70,32 @@ def unison_home() -> Path:
     return Path(os.environ.get("UNISON_HOME", Path.home() / ".cache" / "unison"))
 
 
-def build_char_tokenizer():
+def build_char_tokenizer(vocab_size: int | None = None):
     """A character-level tokenizer made with the `tokenizers` library.
 
     A BPE model with an empty merge list splits text into single characters;
     the ``Fuse`` decoder joins them back without spaces. Wrapped in
     ``PreTrainedTokenizerFast`` so ``AutoTokenizer`` (and vLLM) load it.
+
+    ``vocab_size``: as many ids as a random model of a real model's shape has (the GPU smoke's
+    151,936), every one of them decoding to text: the ids past the characters are every
+    two-character, then three-character string of the charset in order. Text still encodes to
+    one id per character (there are no merges), so the extra ids only ever come from a model.
     """
+    import itertools
+
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
     specials = [PAD, BOS, EOS, UNK]
-    vocab = {tok: i for i, tok in enumerate(specials + list(CHARSET))}
+    tokens = specials + list(CHARSET)
+    if vocab_size is not None:
+        most = len(tokens) + len(CHARSET) ** 2 + len(CHARSET) ** 3
+        if not len(tokens) <= vocab_size <= most:
+            raise UnisonError(f"a character tokenizer has {len(tokens)} to {most} ids, not {vocab_size}")
+        longer = itertools.chain(itertools.product(CHARSET, repeat=2), itertools.product(CHARSET, repeat=3))
+        tokens += ["".join(t) for t in itertools.islice(longer, vocab_size - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     core.add_special_tokens(specials)
     core.decoder = decoders.Fuse()

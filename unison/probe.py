@@ -223,8 +223,10 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         log(f"[probe] {label}: loading engine ({prec.rollout}{', weights ' + quant if qtag else ''})")
         engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
                              seed=cfg.seed, exact=exact, prompt_width=width if exact else None,
-                             quantization=quant, quant_group_size=cfg.quant_group_size)
-        try:  # the engine is closed before scoring, whatever happens (a GPU engine holds its memory until then)
+                             quantization=quant, quant_group_size=cfg.quant_group_size,
+                             max_len=width + cfg.max_new_tokens)  # vLLM reserves this context, not the model's
+        try:  # closed before scoring and before the next arm's engine, whatever happens (a vLLM engine holds its
+            # share of the GPU until then)
             pad_id = engine.pad_id
             if exact:
                 engine.exact.ops = exact_ops

@@ -657,8 +657,8 @@ class VLLMServerEngine:
         dtype = self.dtype
 
         class LearnerSource(WeightSource):  # vLLM 0.32's interface (check_vllm pins it): metadata() + __iter__
-            def metadata(self):
-                return [ParamMeta(n, dtype, tuple(p.shape)) for n, p in learner.model.named_parameters()]
+            def metadata(self):  # what the iteration yields, in its order (LoRA: merged, under the base names)
+                return [ParamMeta(n, dtype, shape) for n, shape in learner.export_shapes()]
 
             def __iter__(self):
                 return iter(learner.export_weights(dtype))
