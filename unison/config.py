@@ -68,7 +68,9 @@ class TaskConfig(_Section):
     #: ``path/to/file.py:function``, called as ``f(response: str, item: Item) -> float``; replaces
     #: the task's verifier (README, "Bring your own task")
     reward: str | None = None
-    #: reward given to a response cut at max tokens (Paper A: 0)
+    #: reward given to a response cut at max tokens, without calling the verifier or the custom reward
+    #: (Paper A: 0; null: grade it too). Custom rewards keep 0: the run says so at start, and warns once
+    #: when more than half of a step's responses were cut and scored this way
     truncated_reward: float | None = 0.0
     #: warn loudly when more than this fraction of a step's rewards raised (they score 0)
     reward_error_warn: float = Field(0.1, ge=0, le=1)
