@@ -8,14 +8,31 @@ non-Llama-family architecture takes) ratios, not the absolute numbers (shared
 machines are noisy). ``--vllm`` adds the vLLM engine
 (needs vLLM; ``make install-vllm`` on CPU) and ``vllm_over_hf``.
 
+Where the time goes against what this CPU can do (issue 32): the script measures, in this process
+and at its thread count, the memory bandwidth (``dst.copy_(src)`` of two 256 MiB fp32 buffers: read +
+write) and the fp32 matmul peak (a 2048³ ``torch.mm``), and reports for the native fast path a
+roofline: every decode step reads the model's matmul weights once (and the KV cache so far) and does
+2 FLOPs per weight per row, so one step takes at least max(bytes / bandwidth, FLOPs / peak) — summed
+over the ``--max-new-tokens`` steps of a batch that is the best tokens/s this CPU allows, and
+``roofline_fraction`` is the measured tokens/s over it (``bound``: which of the two limits; the memory
+bound assumes the weights do not stay in the CPU's caches — true of SmolLM2's 540 MB in fp32, not of
+the tiny model's 3 MB, whose fraction therefore means little). With
+``--update-steps N`` (default 1) it also runs N RL steps of ``unison train`` on the model (the probe's 8
+chat prompts, ``--batch`` responses of up to ``--max-new-tokens`` tokens, fp32, a length reward) and
+reports the update's FLOP/s — 6 × matmul parameters × tokens for the training forward and backward, 2 ×
+for a separate score pass, plus attention — beside the matmul peak.
+
     python benchmarks/rollout_throughput.py [--model DIR] [--batch 32] [--max-new-tokens 128] [--vllm]
+    python benchmarks/rollout_throughput.py --model builtin:smollm2 --dtypes fp32   # issue 32's roofline
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,6 +50,92 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
+def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of a large copy (each byte read once and written once), best of ``repeats``."""
+    n = mib * 2**20 // 4
+    src, dst = torch.rand(n), torch.empty(n)
+    dst.copy_(src)
+    return 2 * 4 * n / best_of(lambda: dst.copy_(src), repeats)
+
+
+def matmul_peak(size: int = 2048, repeats: int = 3) -> float:
+    """fp32 FLOP/s of a large square matmul, best of ``repeats``."""
+    a, b = torch.rand(size, size), torch.rand(size, size)
+    torch.mm(a, b)
+    return 2 * size**3 / best_of(lambda: torch.mm(a, b), repeats)
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in a matmul per token: all but the input embedding's lookup table (a tied
+    output layer reuses it as a matmul, so it counts once), norms and biases included (they are few)."""
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    return sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
+
+
+def decode_roofline(model, batch: int, prompt_len: float, new_tokens: int, bytes_per: int, bw: float,
+                    peak: float) -> dict:
+    """The least time ``new_tokens`` decode steps of ``batch`` rows can take on this CPU: per step the
+    weights (and the KV cache so far) are read once, 2 FLOPs per weight per row plus attention."""
+    c = model.config
+    layers, heads = c.num_hidden_layers, c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    w = matmul_params(model)
+    t_mem = t_flop = t = 0.0
+    for i in range(new_tokens):
+        ctx = prompt_len + i
+        step_bytes = (w + batch * ctx * layers * 2 * kv * head_dim) * bytes_per  # weights + K and V so far
+        step_flops = batch * (2 * w + layers * 4 * ctx * heads * head_dim)  # matmuls + q·K and p·V
+        t_mem += step_bytes / bw
+        t_flop += step_flops / peak
+        t += max(step_bytes / bw, step_flops / peak)
+    return {"bound_tokens_per_s": round(batch * new_tokens / t, 1), "bound": "memory" if t_mem > t_flop else "compute",
+            "weights_mib_per_step": round(w * bytes_per / 2**20, 1),
+            "memory_bound_tokens_per_s": round(batch * new_tokens / t_mem, 1),
+            "compute_bound_tokens_per_s": round(batch * new_tokens / t_flop, 1)}
+
+
+def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float) -> dict:
+    """``steps`` RL steps of ``unison train`` (fp32, the probe's 8 prompts); the last step's update and score
+    pass in FLOP/s against the matmul peak."""
+    import unison
+    from unison.config import load_config
+    from unison.trainer import Trainer
+
+    work = Path(tempfile.mkdtemp(prefix="unison-roofline-"))
+    (work / "length_reward.py").write_text("def reward(response, item=None):\n    return min(len(response), 100) / 100\n")
+    prompts = Path(unison.__file__).parent / "data" / "prompts.jsonl"
+    n_prompts = min(8, batch)
+    sets = [f"model={model_dir}", "precision=fp32", "task.name=jsonl", f"task.path={prompts}",
+            f"task.reward={work / 'length_reward.py'}:reward", "task.truncated_reward=null",
+            f"train.prompts_per_step={n_prompts}", f"rollout.n={max(2, batch // n_prompts)}",
+            f"rollout.max_new_tokens={new_tokens}", "train.lr=1e-6", f"train.steps={steps}", "log.console=false",
+            "log.tensorboard=false", "checkpoint.every_minutes=0", f"threads={torch.get_num_threads()}"]
+    t = Trainer(load_config(None, sets), work / "run", log=lambda m: None)
+    for _ in range(steps):
+        m = t.train_step()
+    t.source.close()
+    model = t.learner.model
+    c = model.config
+    w = matmul_params(model)
+    n = max(2, batch // n_prompts)
+    prompt_tokens = n * sum(len(p) for p in t.prompt_ids[:n_prompts])
+    rows = n * n_prompts
+    seq = prompt_tokens / rows + m["response_length/mean"]  # mean tokens per sequence
+    fwd = rows * (2 * w * seq + 2 * c.num_hidden_layers * c.hidden_size * seq * seq)  # matmuls + causal attention
+    separate_score = t.anchor == "score"
+    update_s, score_s = m["time/update_s"], m.get("time/score_s") or 0.0
+    flops = 3 * fwd + (fwd if separate_score else 0.0)
+    return {"rows": rows, "mean_sequence_tokens": round(seq, 1), "response_tokens": round(rows * m["response_length/mean"]),
+            "score_pass": "separate" if separate_score else "fused into the training forward",
+            "update_s": round(update_s, 2), "score_s": round(score_s, 2), "generate_s": round(m.get("time/generate_s", 0), 2),
+            "step_s": round(m["time/step_s"], 2), "update_gflop": round(flops / 1e9, 1),
+            "update_gflop_per_s": round(flops / (update_s + score_s) / 1e9, 2),
+            "fraction_of_matmul_peak": round(flops / (update_s + score_s) / peak, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -41,9 +144,14 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16,fp16")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="also measure the vLLM engine")
+    ap.add_argument("--update-steps", type=int, default=1,
+                    help="RL steps of unison train whose last update is measured against the matmul peak (0: none)")
+    ap.add_argument("--bandwidth-mib", type=int, default=256, help="size of each buffer of the bandwidth copy")
+    ap.add_argument("--matmul-size", type=int, default=2048, help="side of the square matmul of the peak")
     args = ap.parse_args()
     torch.manual_seed(0)
     model_dir = resolve_model_dir(args.model)
+    bw, peak = memory_bandwidth(args.bandwidth_mib), matmul_peak(args.matmul_size)
     texts = ["12+35=", "Once upon a time", "def add(a, b):\n", "Let n be a positive integer."]
     results = []
     for name in args.dtypes.split(","):
@@ -81,6 +189,13 @@ def main() -> None:
             "generic_over_hf": round(t_hf / t_generic, 2),
             "engine_path": engine.path,
         }
+        prompt_len = sum(len(p) for p in prompts) / len(prompts)
+        roof = decode_roofline(engine.model, args.batch, prompt_len, args.max_new_tokens, dtype.itemsize, bw,
+                               peak if dtype == torch.float32 else float("nan"))
+        if dtype != torch.float32:  # the peak was measured in fp32: only the memory bound applies
+            roof = {k: v for k, v in roof.items() if not k.startswith("compute")}
+            roof["bound_tokens_per_s"], roof["bound"] = roof["memory_bound_tokens_per_s"], "memory (fp32 peak only)"
+        row["roofline"] = {**roof, "roofline_fraction": round(row["native_tokens_per_s"] / roof["bound_tokens_per_s"], 3)}
         if args.vllm:
             v = make_engine("vllm", model_dir, dtype, seed=0)
             v.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
@@ -88,8 +203,23 @@ def main() -> None:
             row.update({"vllm_tokens_per_s": round(n_tokens / t_v, 1), "vllm_over_hf": round(t_hf / t_v, 2)})
             del v
         results.append(row)
-    print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir),
-                      "threads": torch.get_num_threads(), "results": results}, indent=2))
+    update = update_flops(model_dir, args.batch, args.max_new_tokens, args.update_steps, peak) \
+        if args.update_steps else None
+    print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir), "cpu": _cpu(),
+                      "threads": torch.get_num_threads(),
+                      "machine": {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
+                                  "bandwidth_copy_mib": args.bandwidth_mib, "matmul_size": args.matmul_size},
+                      "results": results, **({"update_fp32": update} if update else {})}, indent=2))
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 if __name__ == "__main__":

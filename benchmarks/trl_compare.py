@@ -1,27 +1,45 @@
 """unison against TRL's GRPOTrainer on the same job: seconds per RL step and peak memory, side by side.
 
 Both sides train SmolLM2-135M-Instruct (``builtin:smollm2``, the same local directory, fp32, CPU,
-``--threads`` torch threads) on the same ``--prompts`` math problems (the first P of
-``builtin:sanity_math``, in unison's math template inside the model's chat template), ``n`` = 4 samples
-per prompt, up to 128 new tokens at temperature 1, one optimizer step per rollout batch, no reference
-model (TRL ``beta=0``), no gradient checkpointing on either side (TRL's default turns it on:
-``--trl-gradient-checkpointing`` restores it). The reward, the same function on both sides, pays for
-length (min(characters, 100) / 100): a weak model earns no task reward, and the update then still has
-real gradients. Everything else is each library's default (unison: ``algo=grpo``; TRL: its default loss).
+``--threads`` torch threads) with ``n`` = 4 samples per prompt, up to 128 new tokens at temperature 1,
+one optimizer step per rollout batch, no reference model (TRL ``beta=0``), no gradient checkpointing on
+either side (TRL's default turns it on: ``--trl-gradient-checkpointing`` restores it), on one or both
+prompt shapes (``--shapes``):
 
-Each side runs ``--steps`` steps in a fresh process; the first step (warm-up) is not counted. Reported per
-side: mean wall seconds of the timed steps (unison: around ``Trainer.train_step``; TRL: from
+* ``math``: the first ``--prompts`` problems of ``builtin:sanity_math`` in unison's math template
+  (≈ 200-token prompts with the chat template);
+* ``chat``: the 8 short built-in prompts of ``unison probe`` (``unison/data/prompts.jsonl``) as they are
+  (issue 32's shape: "12+35=", "Once upon a time", ...).
+
+Both go to the model as one user message through its chat template. The reward, the same function on
+both sides, pays for length (min(characters, 100) / 100): a weak model earns no task reward, and the
+update then still has real gradients. Everything else is each library's default (unison: ``algo=grpo``;
+TRL: its default loss). Both children run with the caller's environment, so the same OpenMP wait policy
+(libgomp spins unless ``OMP_WAIT_POLICY`` is set: on a quiet machine that costs nothing; with anything
+else running, prefix ``OMP_WAIT_POLICY=PASSIVE`` — as ``unison``'s command line does — or both sides
+slow down many times); unison's child is told its thread count (``threads=N``), as TRL's calls
+``torch.set_num_threads``. The JSON records the environment it ran under.
+
+Each side runs ``--steps`` steps in a fresh process, alternating unison, TRL, unison, TRL... for
+``--pairs`` pairs per shape; the first step of each (warm-up) is not counted. Reported per run: the
+median wall seconds of the timed steps (unison: around ``Trainer.train_step``; TRL: from
 ``on_step_begin`` to ``on_step_end`` of a TrainerCallback, which spans generation, scoring and the
-update), mean response length in tokens (sampling decides it: compare step times at similar lengths),
-and the child's peak RSS (``ru_maxrss``, its own or a descendant's). ``unison_speedup`` is TRL's step
-time over unison's. Prints JSON. TRL is optional and not in the project's venv: install it beside it,
+update), mean response length in tokens (sampling decides it: compare step times at similar lengths,
+hence also the speed-up per response token), and the child's peak RSS (``ru_maxrss``, its own or a
+descendant's); per shape, the median over the pairs and ``unison_speedup`` (TRL's step time over
+unison's). Prints JSON. TRL is optional and not in the project's venv: install it beside it,
 
     pip install --no-deps --target /tmp/trlpkgs trl==1.16.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1 \\
         dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
-    PYTHONPATH=/tmp/trlpkgs python benchmarks/trl_compare.py [--prompts 8] [--steps 3] [--threads 2]
+    PYTHONPATH=/tmp/trlpkgs python benchmarks/trl_compare.py [--shapes math,chat] [--pairs 3] [--steps 4]
 
 (``--no-deps`` keeps torch, transformers and accelerate the venv's own.) No network: the model is a
-local directory and both children run with the Hugging Face libraries offline.
+local directory and both children run with the Hugging Face libraries offline. Issue 32's measurement
+(median of steps 2–4 of 3 alternating pairs), on 2 cores and 23 GiB:
+
+    PYTHONPATH=/tmp/trlpkgs python benchmarks/trl_compare.py --shapes chat --pairs 3 --steps 4     # ≈ 25 min
+    PYTHONPATH=/tmp/trlpkgs python benchmarks/trl_compare.py --shapes math --pairs 3 --steps 4 \\
+        --trl-gradient-checkpointing math     # ≈ 1.5 h; without checkpointing TRL did not fit in 23 GiB here
 """
 
 from __future__ import annotations
@@ -67,8 +85,7 @@ import torch
 from unison.config import load_config
 from unison.trainer import Trainer
 result, out, steps, threads, sets = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
-torch.set_num_threads(threads)
-t = Trainer(load_config(None, sets + [f"train.steps={steps}"]), out, log=lambda m: None)
+t = Trainer(load_config(None, sets + [f"train.steps={steps}", f"threads={threads}"]), out, log=lambda m: None)
 walls, lengths, phases = [], [], []
 for _ in range(steps):
     t0 = time.perf_counter()
@@ -149,9 +166,9 @@ def run_child(name: str, code: str, args: list[str], work: Path) -> dict:
 
 
 def summarize(r: dict) -> dict:
-    """Mean of the timed steps (the first is warm-up) and what the child measured."""
+    """Median of the timed steps (the first is warm-up) and what the child measured."""
     walls, lengths = r["walls"][1:], r["lengths"][1:]
-    return {"step_s": round(statistics.mean(walls), 2), "steps_timed": len(walls),
+    return {"step_s": round(statistics.median(walls), 2), "steps_timed": len(walls),
             "step_s_each": [round(w, 2) for w in walls],
             "mean_response_tokens": round(statistics.mean(lengths), 1) if lengths else None,
             "peak_rss_gib": round(r["peak_rss_gib"], 2), "torch_threads": r["torch_threads"],
@@ -177,84 +194,122 @@ def version(dist: str) -> str | None:
         return None
 
 
+def shape_prompts(shape: str, count: int, work: Path) -> tuple[list[str], list[str]]:
+    """unison's task settings and the user messages TRL gets, for one prompt shape."""
+    from unison.data_io import read_jsonl, resolve_data_path
+    from unison.probe import load_prompts
+    from unison.tasks.math import MATH_TEMPLATE
+
+    if shape == "chat":
+        prompts = load_prompts(None)[:count]
+        path = work / "chat_prompts.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
+        return ["task.name=jsonl", f"task.path={path}"], prompts
+    rows = read_jsonl(resolve_data_path("builtin:sanity_math"), {"problem": str, "answer": (str, int, float)})[:count]
+    path = work / "math_prompts.jsonl"
+    with open(path, "w", encoding="utf-8") as f:  # unison's task file: the same P rows
+        for r in rows:
+            f.write(json.dumps({"problem": r["problem"], "answer": str(r["answer"])}) + "\n")
+    return ["task.name=math", f"task.path={path}"], [MATH_TEMPLATE.format(problem=r["problem"]) for r in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8, help="P: the first P problems of builtin:sanity_math")
-    ap.add_argument("--steps", type=int, default=3, help="RL steps per side, the first one not counted")
+    ap.add_argument("--shapes", default="math", help="comma-separated prompt shapes: math, chat")
+    ap.add_argument("--prompts", type=int, default=8, help="P prompts per step: the first P of the shape's set")
+    ap.add_argument("--steps", type=int, default=3, help="RL steps per run, the first one not counted")
+    ap.add_argument("--pairs", type=int, default=1, help="unison/TRL runs per shape, alternating")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads in each child")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--model", default="builtin:smollm2", help="a local HF directory or unison's builtin:NAME")
-    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
-                    help="keep TRL's default gradient checkpointing on (unison's default is off)")
+    ap.add_argument("--trl-gradient-checkpointing", nargs="?", const="all", default="", metavar="SHAPES",
+                    help="keep TRL's default gradient checkpointing on (unison's default is off): for every shape, "
+                         "or for the comma-separated SHAPES")
     ap.add_argument("--also", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="another unison run with these overrides, reported beside the default one "
                          "(e.g. --also train.micro_batch_tokens=1024)")
     args = ap.parse_args()
+    shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
+    if not shapes or any(x not in ("math", "chat") for x in shapes):
+        ap.error(f"--shapes '{args.shapes}': choose from math, chat")
     if args.steps < 2:
         ap.error("--steps must be at least 2: the first step is warm-up and is not counted")
     if args.n < 2:
         ap.error("--n must be at least 2: GRPO needs a group to compute advantages")
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
+    if args.prompts > 8 and "chat" in shapes:
+        ap.error("--prompts: the chat shape has 8 prompts")
+    checkpointed = set(shapes) if args.trl_gradient_checkpointing == "all" else \
+        {x.strip() for x in args.trl_gradient_checkpointing.split(",") if x.strip()}
     if importlib.util.find_spec("trl") is None:
         print(f"trl_compare: TRL is not importable: {INSTALL}, then run with PYTHONPATH=/tmp/trlpkgs",
               file=sys.stderr)
         raise SystemExit(2)
     os.environ.update(OFFLINE)
 
-    from unison.data_io import read_jsonl, resolve_data_path
-    from unison.models import resolve_model_dir
-    from unison.tasks.math import MATH_TEMPLATE
-
     from unison.errors import UnisonError
+    from unison.models import resolve_model_dir
 
+    work = Path(tempfile.mkdtemp(prefix="unison-trl-compare-"))
+    (work / "length_reward.py").write_text(REWARD_MODULE)
     try:
         model_dir = str(resolve_model_dir(args.model))
-        rows = read_jsonl(resolve_data_path("builtin:sanity_math"), {"problem": str, "answer": (str, int, float)})
+        tasks = {shape: shape_prompts(shape, args.prompts, work) for shape in shapes}
     except UnisonError as e:
         print(f"trl_compare: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    rows = rows[:args.prompts]
-    if len(rows) < args.prompts:
-        ap.error(f"--prompts {args.prompts}: builtin:sanity_math has only {len(rows)} problems")
-    work = Path(tempfile.mkdtemp(prefix="unison-trl-compare-"))
-    (work / "length_reward.py").write_text(REWARD_MODULE)
-    with open(work / "prompts.jsonl", "w", encoding="utf-8") as f:  # unison's task file: the same P rows
-        for r in rows:
-            f.write(json.dumps({"problem": r["problem"], "answer": str(r["answer"])}) + "\n")
-    prompts = [MATH_TEMPLATE.format(problem=r["problem"]) for r in rows]  # what unison's math task builds
+    for shape, (_, prompts) in tasks.items():
+        if len(prompts) < args.prompts:
+            ap.error(f"--prompts {args.prompts}: the {shape} set has only {len(prompts)} prompts")
 
-    unison_sets = [f"model={model_dir}", "precision=fp32", "task.name=math", f"task.path={work / 'prompts.jsonl'}",
-                   "task.eval_size=0", f"train.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
-                   f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
-                   "train.mini_batches=1", f"train.lr={args.lr}", "task.reward=length_reward:reward",
-                   "task.truncated_reward=null", "log.console=false", "log.tensorboard=false",
-                   "checkpoint.every_minutes=0"]
-    trl_spec = {"model": model_dir, "prompts": prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
-                "steps": args.steps, "lr": args.lr, "threads": args.threads,
-                "gradient_checkpointing": args.trl_gradient_checkpointing}
-
-    unison = run_child("unison", UNISON_CHILD, [str(args.steps), str(args.threads), *unison_sets], work)
-    also = {v: summarize(run_child(f"unison-{i}", UNISON_CHILD, [str(args.steps), str(args.threads), *unison_sets,
-                                                                 *v.split(",")], work))
-            for i, v in enumerate(args.also)}
-    trl = run_child("trl", TRL_CHILD, [json.dumps(trl_spec)], work)
-    sides = {"unison": summarize(unison), "trl": summarize(trl), **({"unison_also": also} if also else {})}
+    out = {}
+    for shape, (task_sets, prompts) in tasks.items():
+        unison_sets = [f"model={model_dir}", "precision=fp32", *task_sets, "task.eval_size=0",
+                       f"train.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
+                       f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
+                       "train.mini_batches=1", f"train.lr={args.lr}", "task.reward=length_reward:reward",
+                       "task.truncated_reward=null", "log.console=false", "log.tensorboard=false",
+                       "checkpoint.every_minutes=0"]
+        trl_spec = {"model": model_dir, "prompts": prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+                    "steps": args.steps, "lr": args.lr, "threads": args.threads,
+                    "gradient_checkpointing": shape in checkpointed}
+        pairs, trl_info = [], {}
+        for i in range(args.pairs):
+            u = summarize(run_child(f"{shape}-unison-{i}", UNISON_CHILD,
+                                    [str(args.steps), str(args.threads), *unison_sets], work))
+            raw = run_child(f"{shape}-trl-{i}", TRL_CHILD, [json.dumps(trl_spec)], work)
+            trl_info = {k: raw[k] for k in ("loss_type", "scale_rewards", "generation_batch_size")}
+            pairs.append({"unison": u, "trl": summarize(raw)})
+        also = {v: summarize(run_child(f"{shape}-unison-also-{j}", UNISON_CHILD,
+                                       [str(args.steps), str(args.threads), *unison_sets, *v.split(",")], work))
+                for j, v in enumerate(args.also)}
+        u_step = statistics.median(p["unison"]["step_s"] for p in pairs)
+        t_step = statistics.median(p["trl"]["step_s"] for p in pairs)
+        u_tok = statistics.median(p["unison"]["mean_response_tokens"] or 0 for p in pairs)
+        t_tok = statistics.median(p["trl"]["mean_response_tokens"] or 0 for p in pairs)
+        out[shape] = {
+            "trl_gradient_checkpointing": shape in checkpointed, "pairs": pairs,
+            "unison_step_s": round(u_step, 2), "trl_step_s": round(t_step, 2),
+            "unison_speedup": round(t_step / u_step, 2),
+            "unison_speedup_per_response_token": round((t_step / t_tok) / (u_step / u_tok), 2) if u_tok and t_tok else None,
+            "unison": unison_sets,
+            "trl": {"per_device_train_batch_size": args.prompts * args.n, "gradient_accumulation_steps": 1,
+                    "num_generations": args.n, "num_iterations": 1, "beta": 0.0,
+                    "gradient_checkpointing": shape in checkpointed, **trl_info},
+            **({"unison_also": also} if also else {})}
     print(json.dumps({
         "benchmark": "trl_compare", "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
         "versions": {d: version(d) for d in ("unison", "trl", "torch", "transformers", "accelerate")},
-        "settings": {"model": args.model, "model_dir": model_dir, "prompts": args.prompts, "n": args.n,
-                     "max_new_tokens": args.max_new_tokens, "temperature": 1.0, "precision": "fp32",
+        "settings": {"model": args.model, "model_dir": model_dir, "shapes": shapes, "prompts": args.prompts,
+                     "n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": 1.0, "precision": "fp32",
                      "device": "cpu", "torch_threads": args.threads, "lr": args.lr, "steps": args.steps,
-                     "warmup_steps_not_counted": 1, "reward": "min(len(response), 100) / 100",
-                     "unison": unison_sets,
-                     "trl": {"per_device_train_batch_size": args.prompts * args.n, "gradient_accumulation_steps": 1,
-                             "num_generations": args.n, "num_iterations": 1, "beta": 0.0,
-                             "gradient_checkpointing": args.trl_gradient_checkpointing,
-                             "loss_type": trl["loss_type"], "scale_rewards": trl["scale_rewards"],
-                             "generation_batch_size": trl["generation_batch_size"]}},
-        **sides,
-        "unison_speedup": round(sides["trl"]["step_s"] / sides["unison"]["step_s"], 2),
+                     "pairs": args.pairs, "warmup_steps_not_counted": 1, "reward": "min(len(response), 100) / 100",
+                     "environment": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+                                     if k in os.environ}},
+        "shapes": out,
         "work_dir": str(work),
     }, indent=2))
 

@@ -101,7 +101,7 @@ def _metrics(n: int) -> bytes:
 CASES = {
     # ------------------------------------------------------------------ probe
     "probe-unknown-precision": lambda e: (
-        ["probe", "--precision", "fp32,fp8", "--out", str(e.out)], e.out, "unknown precision 'fp8'"),
+        ["probe", "--precision", "fp32,fp8", "--out", str(e.out)], e.out, "set rollout.quantization=fp8"),
     "probe-unknown-engine": lambda e: (
         ["probe", "--engine", "sglang", "--out", str(e.out)], e.out, "unknown engine 'sglang'"),
     "probe-missing-model-dir": lambda e: (
@@ -163,7 +163,7 @@ CASES = {
         ["train", e.cfg(), "--set", f"model={_broken_model(e)}", "--out", str(e.out)], e.out,
         "config.json is not valid JSON"),
     "train-unknown-precision": lambda e: (
-        ["train", e.cfg(), "--set", "precision=fp8", "--out", str(e.out)], e.out, "unknown precision 'fp8'"),
+        ["train", e.cfg(), "--set", "precision=fp8", "--out", str(e.out)], e.out, "set rollout.quantization=fp8"),
     "train-unknown-engine": lambda e: (
         ["train", e.cfg(), "--set", "engine=sglang", "--out", str(e.out)], e.out, "unknown engine 'sglang'"),
     "train-unknown-algo": lambda e: (

@@ -26,7 +26,7 @@ def test_yaml_file_and_round_trip(tmp_path):
     ("train.steps=abc", "config key 'train.steps'"),
     ("train.steps=0", "greater than or equal to 1"),
     ("rollout.top_p=1.5", "config key 'rollout.top_p'"),
-    ("precision=fp8", "unknown precision 'fp8'"),
+    ("precision=fp8", "set rollout.quantization=fp8"),
     ("engine=sglang", "unknown engine 'sglang'"),
     ("train=3", "must be a section"),
     ("noequals", "is not key=value"),

@@ -228,7 +228,7 @@ def test_the_done_line_rounds_its_numbers(tmp_path, capsys):
     assert main(["train", str(_cfg(tmp_path)), "--out", str(tmp_path / "r")] +
                 [f"--set={s}" for s in BASE + ["train.steps=1"]]) == 0
     done = capsys.readouterr().out.strip().splitlines()[-1]
-    assert done.startswith("done: 1 steps, reward 0.000 -> 0.000 (last-5 mean 0.000)"), done
+    assert done.startswith("done: 1 step, reward 0.000 -> 0.000 (last-5 mean 0.000)"), done
 
 
 # 8 ------------------------------------------------------------------------------------------------

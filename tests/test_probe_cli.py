@@ -51,7 +51,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, case):
     expect = {
         "missing_model": (["--model", str(tmp_path / "nope")], "does not exist"),
         "no_config": (["--model", str(tmp_path)], "no config.json"),
-        "precision": (["--precision", "fp32,fp8"], "unknown precision 'fp8'"),
+        "precision": (["--precision", "fp32,fp8"], "set rollout.quantization=fp8"),
         "engine": (["--engine", "sglang"], "unknown engine 'sglang'"),
         "empty": (["--prompts", _bad_prompts(tmp_path, "e.jsonl", "\n\n")], "has no rows"),
         "bad_json": (["--prompts", _bad_prompts(tmp_path, "b.jsonl", '{"prompt": "a"}\n{oops\n')],

@@ -1,6 +1,7 @@
 """The perfectible filter, the report, and `unison sanity` end to end (small)."""
 
 import json
+import re
 
 import pytest
 
@@ -118,7 +119,7 @@ def test_report_reads_metrics_like_the_trainer_and_refuses_empty_runs(tmp_path, 
     assert not (tmp_path / "rep").exists()
 
 
-def test_sanity_end_to_end_small(tmp_path):
+def test_sanity_end_to_end_small(tmp_path, capsys):
     out = tmp_path / "s"
     args = ["sanity", "--out", str(out), "--precisions", "fp32,fp16", "--k", "4", "--max-prompts", "8",
             "--set", "sft.steps=60", "--set", "sft.batch_size=32", "--set", "train.steps=3",
@@ -133,10 +134,14 @@ def test_sanity_end_to_end_small(tmp_path):
     k3 = {a["arm"]: a["k3_mean"] for a in report}
     assert k3["fp16-grpo"] > k3["fp32-grpo"]
     assert "| fp16-grpo |" in (out / "report.md").read_text()
+    # the last progress line counts RL steps only, and times SFT and the filter apart
+    assert re.search(r"\[sanity\] 4/4 report \(RL: 6 steps in \d+m\d\ds; SFT \d+m\d\ds; filter \d+m\d\ds; "
+                     r"total \d+m\d\ds\)", capsys.readouterr().err)
     # a rerun reuses the SFT model and the set, and finds the arms finished
     before = (out / "perfectible.jsonl").read_text()
     assert main(args) == 0
     assert (out / "perfectible.jsonl").read_text() == before
+    assert "[sanity] 4/4 report (RL: 0 steps in" in capsys.readouterr().err
 
 
 def test_sanity_config_layers_defaults_yaml_and_overrides(tmp_path):

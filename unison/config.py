@@ -45,7 +45,8 @@ class TaskConfig(_Section):
     #: problems in the held-out eval split. arithmetic / reasoning_gym: generated beside the train
     #: split. math without ``eval_path``: min(eval_size, ⌊rows/10⌋) rows of ``path`` (seeded
     #: shuffle) are held out, never more than a tenth of the file (16 rows -> 1 held out, 15 train;
-    #: 1460 -> 146; ≥ 2000 -> eval_size); 0 holds out nothing
+    #: 1460 -> 146; ≥ 2000 -> eval_size); 0 holds out nothing. jsonl without ``eval_path``: the same,
+    #: but only when an eval is asked for (train.eval_every > 0, or unison sft); else every row trains
     eval_size: int = Field(200, ge=0)
     #: seed of the task generator (train/eval split included)
     seed: int = 0
@@ -67,7 +68,9 @@ class TaskConfig(_Section):
     #: ``path/to/file.py:function``, called as ``f(response: str, item: Item) -> float``; replaces
     #: the task's verifier (README, "Bring your own task")
     reward: str | None = None
-    #: reward given to a response cut at max tokens (Paper A: 0)
+    #: reward given to a response cut at max tokens, without calling the verifier or the custom reward
+    #: (Paper A: 0; null: grade it too). Custom rewards keep 0: the run says so at start, and warns once
+    #: when more than half of a step's responses were cut and scored this way
     truncated_reward: float | None = 0.0
     #: warn loudly when more than this fraction of a step's rewards raised (they score 0)
     reward_error_warn: float = Field(0.1, ge=0, le=1)
@@ -109,8 +112,8 @@ class RolloutConfig(_Section):
     #: with exactly version max(0, j − K)) | drop (generate with the newest weights the engine holds and
     #: drop groups more than K versions old, counted in staleness/dropped; verl's max_off_policy_strategy)
     stale_policy: Literal["wait", "drop"] = "wait"
-    #: max_staleness ≥ 1 with the native engine: torch threads of the worker process (default: half the
-    #: cores); the learner takes the rest
+    #: max_staleness ≥ 1 with the native engine: torch threads of the worker process (default: half of
+    #: the run's ``threads``); the learner takes the rest
     worker_threads: int | None = Field(None, ge=1)
     #: max_staleness ≥ 1 with the native engine: seconds the trainer waits for one batch from a worker that
     #: is alive before it counts as stuck and the run stops (one line; the last checkpoint stays). Default:
@@ -440,6 +443,13 @@ class Config(_Section):
     #: local HF model directory, or builtin:tiny
     model: str = "builtin:tiny"
     device: str = "cpu"
+    #: torch threads of every process unison runs (unison/threads.py; CLI --threads): auto (default)
+    #: honours OMP_NUM_THREADS / MKL_NUM_THREADS and a torch.set_num_threads the calling program made,
+    #: else measures at start — the cores this process may use (divided among torchrun's local ranks),
+    #: how many of them other processes leave idle, and the model's size (under 10M parameters: 1,
+    #: its ops are too small for more) — or N threads. The choice and its reason are printed at start.
+    #: The async worker takes rollout.worker_threads of it. --resume may change it
+    threads: int | str = "auto"
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -460,6 +470,13 @@ class Config(_Section):
         from unison.precision import parse_precision
 
         return None if v is None else parse_precision(v)
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, v):
+        from unison.threads import parse_threads
+
+        return parse_threads(v)
 
     @field_validator("engine")
     @classmethod
@@ -543,8 +560,10 @@ def read_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise UnisonError(f"config file '{path}' is not valid YAML "
-                          f"({str(e).splitlines()[0]}): fix the syntax") from e
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UnisonError(f"config file '{path}' is not valid YAML{where} ({what}): fix the syntax there") from e
     if not isinstance(data, dict):
         raise UnisonError(f"config file '{path}' must hold a mapping of keys, got {type(data).__name__}")
     _fix_yaml_floats(data)
@@ -592,25 +611,65 @@ def _get(data: dict, keys):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or start from defaults), apply ``--set`` overrides, validate. A reward module named
-    ``module:function`` whose ``module.py`` sits next to the config file is found there (its path is
-    recorded, so the run's config.yaml finds it again on --resume)."""
+    """Read YAML (or start from defaults), apply ``--set`` overrides, validate, and make every path
+    absolute (:func:`resolve_paths`: a path written in the file is looked for next to the file first,
+    one given with ``--set`` in the working directory first), so that the run's config.yaml finds
+    everything again on --resume, from any directory."""
     cfg = config_from_dict(read_yaml(path) if path is not None else {}, overrides)
-    if path is None:
-        return cfg
-    here = Path(path).resolve().parent
+    return resolve_paths(cfg, Path(path).resolve().parent if path is not None else None, override_keys(overrides))
+
+
+#: the config keys that name a file or directory (task.reward too: its module part, below)
+PATH_KEYS = ("model", "task.path", "task.eval_path", "vllm.sync_dir")
+
+
+def override_keys(overrides: list[str] | None) -> set[str]:
+    """The dotted keys that ``--set`` overrides name."""
+    return {t.split("=", 1)[0].strip() for t in overrides or [] if "=" in t}
+
+
+def resolve_paths(cfg: Config, config_dir: Path | None = None, from_cli: set[str] = frozenset()) -> Config:
+    """``cfg`` with every relative path made absolute. A path read from the config file is looked for
+    next to the file first, then in the working directory (a same-named file in the working directory
+    does not win over the config's own); one given on the command line (``from_cli``) the other way
+    round. A reward ``module:function`` whose ``module.py`` is found that way becomes that file's path.
+    A path found nowhere is left as written (the check that reads it names it); ``vllm.sync_dir``, a
+    directory unison creates, is taken from the working directory."""
+    def bases(key: str) -> list[Path]:
+        here = [config_dir] if config_dir is not None else []
+        return [Path.cwd(), *here] if key in from_cli else [*here, Path.cwd()]
+
+    def find(value: str, key: str) -> str:
+        p = Path(value).expanduser()
+        if p.is_absolute():
+            return str(p)
+        for base in bases(key):
+            if (base / p).exists():
+                return str((base / p).resolve())
+        return value
+
+    cfg = cfg.model_copy(deep=True)
+    for key in PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        node = getattr(cfg, section) if section else cfg
+        value = getattr(node, name)
+        if not value or value.startswith(BUILTIN):
+            continue
+        if key == "vllm.sync_dir":
+            setattr(node, name, str(Path(value).expanduser().resolve()))
+        else:
+            setattr(node, name, find(value, key))
     spec = cfg.task.reward
-    if spec and ":" in spec and not spec.rsplit(":", 1)[0].endswith(".py"):
+    if spec and ":" in spec:
         module, fn = spec.rsplit(":", 1)
-        beside = here / (module.replace(".", "/") + ".py")
-        if beside.is_file():
-            cfg.task.reward = f"{beside}:{fn}"
-    for key in ("path", "eval_path"):  # data named relative to the config file, when not found from here
-        value = getattr(cfg.task, key)
-        if value and not value.startswith("builtin:") and not Path(value).expanduser().exists() \
-                and (here / value).exists():
-            setattr(cfg.task, key, str(here / value))
+        file = module if module.endswith(".py") else module.replace(".", "/") + ".py"
+        found = find(file, "task.reward")
+        if found != file or Path(file).is_absolute():
+            cfg.task.reward = f"{found}:{fn}"
     return cfg
+
+
+BUILTIN = "builtin:"
 
 
 def _fix_yaml_floats(node) -> None:

@@ -61,16 +61,18 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
     from unison.precision import Precision
     from unison.rollout import make_engine
     from unison.tasks import make_reward, make_task
+    from unison.threads import setup
 
     if k < 1:
         raise UnisonError(f"--k {k} is invalid: sample at least one response per prompt")
     model_dir = resolve_model_dir(cfg.model)
-    task = make_task(cfg.task)
+    task = make_task(cfg.task, evaluate=False)
     reward = make_reward(task, cfg.task)
     prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
     engine = make_engine(cfg.engine, model_dir, prec.rollout_dtype, device=cfg.device, seed=cfg.seed,
                          **cfg.vllm.model_dump())
     tokenizer = load_tokenizer(model_dir)
+    setup(cfg.threads, model_dir=model_dir, log=lambda m: log(f"[filter] {m}"))  # after the checks: errors stay one line
     torch.manual_seed(cfg.seed)
     log(f"[filter] sampling {k} responses for each of {len(task.train)} prompts")
     rates = pass_rates(engine, task, reward, task.train, tokenizer, k, cfg.rollout.temperature,

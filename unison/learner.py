@@ -239,8 +239,11 @@ class GradNoiseProbe:
     def after_micro_backward(self, units: float) -> None:
         grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(q)
                  for p, q in zip(self.params, self.prev)]
-        diffs = torch._foreach_sub(grads, self.prev)
-        local = torch.stack(torch._foreach_norm(diffs)).double().pow(2).sum() if diffs else torch.zeros((), dtype=torch.float64)
+        # prev − grads in place (exactly −(grads − prev), so the same norm): no model-sized allocation per
+        # micro-batch (a fresh one is page-faulted in each time: measurable on CPU with many micro-batches)
+        torch._foreach_sub_(self.prev, grads)
+        local = torch.stack(torch._foreach_norm(self.prev)).double().pow(2).sum() if grads else \
+            torch.zeros((), dtype=torch.float64)
         self.sq.append(float(self.dist.all_reduce_(local.reshape(1), "sum")))
         torch._foreach_copy_(self.prev, grads)
         self.units.append(units)

@@ -194,7 +194,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
             f"warm-started model is runs/demo/sft/model), a .gguf file, builtin:tiny or builtin:smollm2"
         )
     if not path.is_dir():
-        raise UnisonError(f"model path '{path}' is not a directory: pass a Hugging Face model directory")
+        raise UnisonError(f"model path '{path}' is a file, not a directory: pass a Hugging Face model directory, or "
+                          f"a GGUF file named *.gguf (converted once to a cached directory)")
     if not (path / "config.json").exists():
         raise UnisonError(
             f"model directory '{path}' has no config.json: pass a directory saved with "
@@ -270,6 +271,26 @@ def load_tokenizer(model_dir: Path):
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def unknown_characters(tokenizer, texts, ids=None, what: str = "texts") -> str | None:
+    """One warning naming the characters of ``texts`` the tokenizer has no token for (they become its
+    unknown token, which decodes to nothing: the built-in tiny model knows printable ASCII, so "3×4? Ü"
+    reaches it as "34? "); None when every character is known. ``ids``: the texts' token ids, when
+    already encoded (only texts holding the unknown token are looked at again)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return None
+    texts = list(texts)
+    ids = ids if ids is not None else [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    hit = [t for t, i in zip(texts, ids) if unk in i]
+    if not hit:
+        return None
+    chars = sorted({c for t in hit for c in set(t) if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
+    shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars[:12]) + (f" and {len(chars) - 12} more" if len(chars) > 12 else "")
+    return (f"the tokenizer has no token for {len(chars)} character{'s' if len(chars) != 1 else ''} in "
+            f"{len(hit)} of {len(texts)} {what}: {shown}; the model sees its unknown token there, which decodes to "
+            f"nothing — rewrite them in characters it knows (the built-in tiny model: printable ASCII)")
 
 
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):

@@ -191,15 +191,16 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
             raise UnisonError(f"--resume: '{cfg_path}' is damaged ({type(e).__name__}): restore it "
                               f"or start a new run") from e
         new = yaml.safe_load(new_cfg)
-        old.get("train", {}).pop("steps", None)
-        new.get("train", {}).pop("steps", None)
+        for tree in (old, new):  # what a resumed run may change: its length and its threads
+            tree.get("train", {}).pop("steps", None)
+            tree.pop("threads", None)
         # a run written by an older unison lacks the newer keys: they take this config's values
-        diffs = [d for d in differences(old, new) if d[1] is not None or _has(old, d[0])]
+        diffs = [d for d in differences(old, new) if (d[1] is not None or _has(old, d[0])) and not _same_path(*d)]
         if diffs:
             shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diffs[:8])
             more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
             raise UnisonError(f"--resume: the config differs from the run's config.yaml at {shown}{more}: resume "
-                              f"with the same config (only train.steps may change; `unison train --out "
+                              f"with the same config (only train.steps and threads may change; `unison train --out "
                               f"{d} --resume` without a config reads the run's own)")
 
 
@@ -214,6 +215,16 @@ def never_started(d: Path) -> bool:
     except UnisonError:
         has_steps = True  # damaged: someone should look at it
     return (d / "config.yaml").exists() and not has_steps and not ckpt.complete(d / "checkpoints")
+
+
+def _same_path(key: str, old, new) -> bool:
+    """A run written before paths were saved absolute: its relative path, read from here, is the new one."""
+    from unison.config import PATH_KEYS
+
+    if key not in (*PATH_KEYS, "task.reward") or not isinstance(old, str) or not isinstance(new, str):
+        return False
+    return Path(old.rsplit(":", 1)[0] if key == "task.reward" else old).resolve() == \
+        Path(new.rsplit(":", 1)[0] if key == "task.reward" else new).resolve()
 
 
 def _has(tree: dict, dotted: str) -> bool:

@@ -291,10 +291,12 @@ def check_targets(model: torch.nn.Module, fmt: str, group_size: int, found: list
 
 
 #: token k3 of each format against the fp32 learner, measured with `unison probe --quantization ...`
-#: (README, "Low-precision rollout"): the tiny model after its scratchpad warm start (the experiment's),
-#: and SmolLM2-135M — what the start-up warning cites
-MEASURED_K3 = {"fp8": "≈ 7e-4 (tiny model) to 2e-2 (SmolLM2-135M)", "int8": "≈ 4e-5 (tiny model) to 4e-3 (SmolLM2-135M)",
-               "int4": "≈ 3e-2 (tiny model) to 0.8 (SmolLM2-135M)"}
+#: (README, "Low-precision rollout", fp32 rows): the built-in tiny model (--n 8 --max-new-tokens 128) and
+#: SmolLM2-135M (--n 4) — what the start-up warning cites; the warm-started tiny model of the
+#: experiment (docs/experiments/quantized_rollout.md) is lower, 3.5e-5 / 7e-4 / 2–4e-2
+MEASURED_K3 = {"fp8": "1.4e-2 on the built-in tiny model and 2.2e-2 on SmolLM2-135M",
+               "int8": "9.2e-4 on the built-in tiny model and 4.5e-3 on SmolLM2-135M",
+               "int4": "0.213 on the built-in tiny model and 0.757 on SmolLM2-135M"}
 #: what unison's own experiment found (docs/experiments/quantized_rollout.md)
 MEASURED_EFFECT = {"int4": "; in unison's experiment uncorrected GRPO fell from 0.81 to 0.58 training accuracy at int4"}
 
@@ -308,6 +310,7 @@ def quantization_warning(fmt: str, policy: dict, quantization_aware: bool = Fals
     if fmt == "none" or quantization_aware or policy.get("correction") != "none" or policy.get("loss") in SELF_CORRECTING:
         return None
     return (f"rollout.quantization={fmt} with policy.correction=none: {fmt} rollout weights put the "
-            f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe){MEASURED_EFFECT.get(fmt, '')}, "
+            f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe, fp32; README)"
+            f"{MEASURED_EFFECT.get(fmt, '')}, "
             f"and peers report uncorrected GRPO degrading there (verl, FlashRL); consider train.quantization_aware=true "
             f"(the learner computes through the same quantizer: π = μ), or algo=gspo, grpo_icepop or grpo_token_tis")

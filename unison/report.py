@@ -1,6 +1,7 @@
 """``unison report RUN_DIR...``: overlaid curves and a comparison table of runs.
 
-Per run: final training accuracy (mean reward of the last 5 steps), steps to
+Per run: initial and final training accuracy (mean reward of the first and of the last 5 steps;
+"reward" rather than "acc" when the reward is not 0/1 — your own reward, reasoning_gym), steps to
 95% (first step where the 5-step moving average of the reward reaches 0.95),
 mean and final token k3 and mean |π − μ|, skipped steps, wall time and tokens/s.
 Writes ``report.md`` with the table and the PNGs it links.
@@ -69,9 +70,16 @@ def _note(message: str) -> None:
         print(f"unison: note: {message}", file=sys.stderr)
 
 
+def binary_reward(cfg: dict) -> bool:
+    """Whether a run's rewards are 0/1 (a built-in verifier: their mean is an accuracy), from its config."""
+    task = cfg.get("task") or {}
+    return (not task.get("reward") and task.get("name", "arithmetic") in ("arithmetic", "scratchpad", "math")
+            and task.get("truncated_reward", 0.0) in (0, 1, None))
+
+
 def summarize(run_dir: str | Path) -> dict:
     d = Path(run_dir)
-    _, rows = load_run(d)
+    cfg, rows = load_run(d)
     # initial and final accuracy over 5 steps each, or over each half of a shorter run (never the same steps)
     w = WINDOW if len(rows) > WINDOW else max(1, len(rows) // 2)
     rewards = [r.get("reward/mean") for r in rows]
@@ -85,6 +93,7 @@ def summarize(run_dir: str | Path) -> dict:
     return {
         # a run is named by its directory (unison sanity names its arms precision-algorithm)
         "run": str(d), "arm": d.name, "steps": rows[-1]["step"] if rows else 0,
+        "binary_reward": binary_reward(cfg),
         "initial_accuracy": _mean(rewards[:w]),
         "final_accuracy": _mean(rewards[-w:]) if len(rows) > 1 else _mean(rewards),
         "steps_to_95": steps_to_95,
@@ -105,6 +114,24 @@ COLUMNS = [("arm", "arm", "{}"), ("steps", "steps", "{}"), ("initial acc", "init
            ("wall s", "wall_s", "{:.0f}"), ("tok/s", "tokens_per_s", "{:.0f}")]
 
 
+def columns(summaries: list[dict]) -> list[tuple[str, str, str]]:
+    """The table's columns: "acc" when every run's reward is 0/1, else "reward"."""
+    if all(s.get("binary_reward", True) for s in summaries):
+        return COLUMNS
+    names = {"initial acc": "initial reward", "final train acc": "final reward"}
+    return [(names.get(n, n), k, f) for n, k, f in COLUMNS]
+
+
+def definitions(summaries: list[dict]) -> str:
+    """What the columns mean (below every table)."""
+    acc = all(s.get("binary_reward", True) for s in summaries)
+    what = ("the training accuracy: mean reward of the sampled responses" if acc else
+            "mean training reward (not an accuracy: a reward that is not 0/1)")
+    return (f"Initial / final: {what} over the first / last 5 steps (a run of 5 steps or fewer: its first / second half). "
+            f"Steps to 95%: first step where the 5-step moving average of the training reward reaches 0.95. "
+            f"k3 and abs(π−μ): mismatch between the rollout engine (μ) and the learner (π) on the sampled tokens.")
+
+
 def _cell(value, fmt):
     if value is None:
         return "–"
@@ -115,20 +142,22 @@ def _cell(value, fmt):
 
 
 def markdown_table(summaries: list[dict]) -> str:
-    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
-    sep = "| " + " | ".join("---" for _ in COLUMNS) + " |"
-    body = ["| " + " | ".join(_cell(s[k], f) for _, k, f in COLUMNS) + " |" for s in summaries]
+    cols = columns(summaries)
+    head = "| " + " | ".join(c[0] for c in cols) + " |"
+    sep = "| " + " | ".join("---" for _ in cols) + " |"
+    body = ["| " + " | ".join(_cell(s[k], f) for _, k, f in cols) + " |" for s in summaries]
     return "\n".join([head, sep, *body])
 
 
 def rich_table(summaries: list[dict], title: str = "runs compared: one row per run"):
     from rich.table import Table
 
-    t = Table(title=title)
-    for name, _, _ in COLUMNS:
+    cols = columns(summaries)
+    t = Table(title=title, caption=definitions(summaries))
+    for name, _, _ in cols:
         t.add_column(name, justify="left" if name == "arm" else "right")
     for s in summaries:
-        t.add_row(*[_cell(s[k], f) for _, k, f in COLUMNS])
+        t.add_row(*[_cell(s[k], f) for _, k, f in cols])
     return t
 
 
@@ -274,10 +303,7 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
     plots = run_plots(run_dirs, out_dir / "plots", labels=labels)
     from unison.data_io import atomic_write_text
 
-    lines = [f"# {title}", "", notes, "", markdown_table(summaries), "",
-             "Final train acc: mean training reward over the last 5 steps. Steps to 95%: first step "
-             "where the 5-step moving average of the training reward reaches 0.95. k3 and abs(π−μ): "
-             "mismatch between the rollout engine (μ) and the learner (π) on the sampled tokens.", ""]
+    lines = [f"# {title}", "", notes, "", markdown_table(summaries), "", definitions(summaries), ""]
     if paired is not None:
         lines += [f"## Paired by seed, against {baseline}", "",
                   "Each arm's mean ± sd over its seeds, and the mean of its per-seed differences to the baseline "

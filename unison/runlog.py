@@ -99,6 +99,11 @@ def memory_metrics(device: torch.device) -> dict:
     return out
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 step``, ``2 steps`` (``many``: an irregular plural)."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
 def console_line(m: dict, total: int, eta: float) -> str:
     def f(key, fmt):
         v = m.get(key)

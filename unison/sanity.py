@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from unison.config import Config, config_from_dict, load_config, merge, read_yaml
+from unison.config import (Config, config_from_dict, load_config, merge, override_keys, read_yaml,
+                           resolve_paths)
 from unison.errors import UnisonError
 
 #: The built-in sanity recipe (CPU, built-in tiny model, 2-digit addition). Every
@@ -36,7 +37,8 @@ def sanity_config(path: str | None, overrides: list[str]) -> Config:
     """Built-in defaults, then the YAML file (if any), then ``--set`` overrides."""
     base = load_config(None, DEFAULTS).model_dump(mode="json")
     user = read_yaml(path) if path is not None else {}
-    return config_from_dict(merge(base, user), overrides)
+    cfg = config_from_dict(merge(base, user), overrides)
+    return resolve_paths(cfg, Path(path).resolve().parent if path is not None else None, override_keys(overrides))
 
 
 def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[str], k: int = 8,
@@ -53,6 +55,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     from unison.trainer import Trainer
 
     from unison.quant import check_format_available, parse_quantization
+    from unison.runlog import plural
 
     precisions = [parse_arm_precision(p) for p in precisions]
     quantizations = [parse_quantization(q) for q in (quantizations or ["none"])]
@@ -71,14 +74,17 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     _preflight(cfg, algorithms)  # every input checked before --out is created
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
+    stage_s: dict[str, float] = {}  # SFT and filter, timed apart from the RL steps
 
     sft_dir = out / "sft"
     if (sft_dir / "model" / "config.json").exists():
         log(f"[sanity] 1/4 SFT: reusing {sft_dir / 'model'}")
     else:
-        log(f"[sanity] 1/4 SFT warm start ({cfg.sft.steps} steps) on {cfg.task.name}")
+        t0 = time.perf_counter()
+        log(f"[sanity] 1/4 SFT warm start ({plural(cfg.sft.steps, 'step')}) on {cfg.task.name}")
         s = run_sft(cfg, sft_dir, log=log)
         log(f"[sanity]     SFT done: train accuracy {s['train_accuracy_sampled']:.3f} sampled")
+        stage_s["SFT"] = time.perf_counter() - t0
     rl_base = cfg.model_copy(update={"model": str(sft_dir / "model")})
 
     perf = out / "perfectible.jsonl"
@@ -86,12 +92,14 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
         log(f"[sanity] 2/4 filter: reusing {perf}")
     else:
         log(f"[sanity] 2/4 filter: pass rate over k={k} samples per prompt")
+        t0 = time.perf_counter()
         run_filter(rl_base, perf, k=k, band=band, max_prompts=max_prompts, log=log)
+        stage_s["filter"] = time.perf_counter() - t0
 
     arms = [(p, q, a, s) for a in algorithms for q in quantizations for p in precisions
             for s in (seeds or [cfg.seed])]
-    total_steps = cfg.train.steps * len(arms)
-    done_steps, step_time = 0, {}
+    t_rl = time.perf_counter()
+    run_steps, step_time = 0, {}  # RL steps run in this session (finished arms are reused, not rerun)
     arm_dirs = []
     for i, (prec, quant, algo, seed) in enumerate(arms, 1):
         suffix, extra = variant or ("", {})
@@ -104,10 +112,9 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
                                                 "algo": algo, "seed": seed, "task": {"path": str(perf)},
                                                 "rollout": {"quantization": quant}}), extra))
         if _finished(run_dir, cfg.train.steps):  # nothing to resume: no trainer (and no config check) needed
-            log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} finished ({cfg.train.steps} steps), reusing it")
-            done_steps += cfg.train.steps
+            log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} finished ({plural(cfg.train.steps, 'step')}), reusing it")
             continue
-        log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} ({cfg.train.steps} steps)")
+        log(f"[sanity] 3/4 arm {i}/{len(arms)}: {name} ({plural(cfg.train.steps, 'step')})")
         trainer = Trainer(arm_cfg, run_dir, resume=run_dir.exists(), log=log)
         t_arm, start = time.perf_counter(), trainer.step
 
@@ -122,10 +129,12 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
 
         trainer.on_step = on_step
         trainer.fit()
-        done_steps += cfg.train.steps
+        run_steps += trainer.step - start
     if not report:
         return [summarize(d) for d in arm_dirs], None, arm_dirs
-    log(f"[sanity] 4/4 report ({done_steps}/{total_steps} steps in {_fmt_s(time.perf_counter() - t_all)})")
+    stages = "".join(f"; {name} {_fmt_s(sec)}" for name, sec in stage_s.items())
+    log(f"[sanity] 4/4 report (RL: {plural(run_steps, 'step')} in {_fmt_s(time.perf_counter() - t_rl)}{stages}; "
+        f"total {_fmt_s(time.perf_counter() - t_all)})")
     path = write_report(arm_dirs, out, title="unison sanity test",
                         notes=_notes(cfg, precisions, algorithms, perf, quantizations))
     return [summarize(d) for d in arm_dirs], path, arm_dirs

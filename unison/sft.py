@@ -19,7 +19,7 @@ import torch
 
 from unison.filter import pass_rates
 from unison.learner import token_logprobs
-from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir
+from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir, unknown_characters
 from unison.rollout import make_engine
 from unison.tasks import make_reward, make_task
 
@@ -56,14 +56,21 @@ def evaluate(engine, task, reward, items, tokenizer, temperature: float, max_new
 
 
 def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+    from unison.threads import setup
+
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(cfg.model)
     task = make_task(cfg.task)
     reward = make_reward(task, cfg.task)
     tokenizer = load_tokenizer(model_dir)
+    setup(cfg.threads, model_dir=model_dir, log=lambda m: log(f"[sft] {m}"))  # after the checks: errors stay one line
     model = load_model(model_dir, torch.float32, cfg.device)
     model.train()
     examples = _examples(task, tokenizer)
+    unknown = unknown_characters(tokenizer, [t for it in task.train for t in (it.prompt, task.demonstration(it))],
+                                 [x for p, a in examples for x in (p, a)], "prompts and answers")
+    if unknown:
+        log(f"[sft] WARNING {unknown}")
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
     s = cfg.sft

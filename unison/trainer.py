@@ -40,20 +40,21 @@ from unison.algorithms.anchors import OldLogp, plan
 from unison.algorithms.corrections import CORRECTIONS
 from unison.algorithms.presets import correction_kwargs, resolve_policy
 from unison.batch import collate
-from unison.config import Config
+from unison.config import Config, resolve_paths
 from unison.data_io import atomic_write_text, read_metrics
 from unison.distributed import init_distributed
 from unison.errors import Stopped, UnisonError
 from unison.learner import Learner
 from unison.mismatch import k1, k3, mismatch_metrics
-from unison.models import load_tokenizer, resolve_model_dir
+from unison.models import load_tokenizer, resolve_model_dir, unknown_characters
 from unison.precision import Precision
 from unison.quant import check_format_available, quantization_warning
 from unison.rollout import check_engine_available, make_engine, preflight_engine
 from unison.rollout.source import PromptSampler, make_source, step_seed  # noqa: F401 - PromptSampler re-exported
-from unison.runlog import RunLog, console_line, memory_metrics
+from unison.runlog import RunLog, console_line, memory_metrics, plural
 from unison.schedules import GradNoiseTracker, make_schedule
 from unison.tasks import make_reward, make_task
+from unison.threads import setup as setup_threads
 
 CKPT_PREFIX = ckpt.PREFIX
 
@@ -64,6 +65,7 @@ def _stderr(msg: str) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, log=_stderr):
+        cfg = resolve_paths(cfg)  # config.yaml holds absolute paths: --resume works from any directory
         try:
             self._build(cfg, run_dir, resume, log)
         except BaseException:  # a Trainer that fails half-built (a resume with no usable checkpoint, the run
@@ -84,7 +86,7 @@ class Trainer:
         check_format_available(cfg.rollout.quantization)
         model_dir = resolve_model_dir(cfg.model)
         check_engine_available(cfg.engine, cfg.vllm.mode)
-        self.task = make_task(cfg.task)
+        self.task = make_task(cfg.task, evaluate=bool(cfg.train.eval_every))
         self.reward = make_reward(self.task, cfg.task)
         self.tokenizer = load_tokenizer(model_dir)
         self.prompt_ids = [self.task.encode(self.tokenizer, it) for it in self.task.train]
@@ -95,6 +97,7 @@ class Trainer:
         self.layout = preflight.exact_layout(cfg, model_dir, self.task, self.tokenizer, self.prompt_ids) \
             if cfg.exact else None
         preflight.check_run_dir(self.run_dir, cfg, resume)
+        self.threads = setup_threads(cfg.threads, model_dir=model_dir)  # before the async worker is spawned
 
         torch.manual_seed(cfg.seed)
         self.learner = Learner.from_config(cfg, model_dir, self.dist)
@@ -115,6 +118,7 @@ class Trainer:
         self.schedule = make_schedule(cfg.train, asynchronous=cfg.rollout.max_staleness > 0)
         self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         self.step = 0
+        self.truncation_warned = False
         self.failed_reward_steps = 0
         self.reward_errors = 0
         self.quiet_steps = 0  # consecutive steps without a learning signal
@@ -141,15 +145,16 @@ class Trainer:
             self.log(f"[train] WARNING {warning}")
         if self.learner.packing_note:
             self.log(f"[train] train.packing: {self.learner.packing_note}")
-        ahead = f", engine up to {r.max_staleness} versions ahead ({r.stale_policy})" if r.max_staleness else ""
+        ahead = f", engine up to {plural(r.max_staleness, 'version')} ahead ({r.stale_policy})" if r.max_staleness else ""
         if r.max_staleness and cfg.mismatch.decompose_every and not self.learner.can_score_other_weights:
             self.log("[train] the split of the mismatch into numerics and staleness scores with older weights in one "
                      "process without LoRA: it is off here (mismatch/k3 is still logged)")
-        self.log(f"[train] {self.task.name}: {len(self.task.train)} training prompts, {len(self.task.eval)} eval; "
-                 f"{t.prompts_per_step} prompts x {r.n} samples per step, {t.steps} steps; "
+        self.log(f"[train] {self.task.name}: {plural(len(self.task.train), 'training prompt')}, {len(self.task.eval)} eval; "
+                 f"{plural(t.prompts_per_step, 'prompt')} x {plural(r.n, 'sample')} per step, {plural(t.steps, 'step')}; "
                  f"precision {self.prec.label}"
                  f"{'' if r.quantization == 'none' else f', rollout weights {r.quantization}'}, engine {cfg.engine}"
-                 f"{ahead}, world size {self.dist.world_size}")
+                 f"{ahead}, world size {self.dist.world_size}; {self.threads}")
+        self.log(f"[train] {self._method_line()}")
         if self.ledger is not None:
             p = self.ledger.plan
             missing = "".join(f"; {t} not measured ({why}), merged into its neighbour" for t, why in p.unmeasured.items())
@@ -157,14 +162,37 @@ class Trainer:
                      f"{missing} (mismatch.ledger)")
         if self.task.name == "math":
             self.log(f"[train] math prompts: task.template {cfg.task.template!r}")
+        if cfg.task.reward and cfg.task.truncated_reward is not None:
+            self.log(f"[train] a response cut at rollout.max_new_tokens={r.max_new_tokens} scores "
+                     f"task.truncated_reward={cfg.task.truncated_reward:g} without a call of your reward "
+                     f"({cfg.task.reward}); set task.truncated_reward=null to grade it too")
+        unknown = unknown_characters(self.tokenizer, [it.prompt for it in self.task.train], self.prompt_ids, "prompts")
+        if unknown:
+            self.log(f"[train] WARNING {unknown}")
         if getattr(self.tokenizer, "chat_template", None) is None and self.task.name in ("math", "jsonl"):
             self.log("[train] the model has no chat template: prompts go to it as raw text")
         n = sum(p.numel() for p in self.learner.model.parameters())
         c = cfg.checkpoint
-        when = " and ".join(x for x in (f"every {c.every} steps" if c.every else "",
+        when = " and ".join(x for x in (f"every {plural(c.every, 'step')}" if c.every else "",
                                         f"every {c.every_minutes:g} min" if c.every_minutes else "") if x) or "at the end"
         self.log(f"[train] checkpoints: {when}, on SIGTERM / Ctrl-C and at the end; ≈{12 * n / 2**30:.2g} GiB "
                  f"each (fp32 weights + AdamW state), {c.keep} kept (checkpoint.every, every_minutes, keep)")
+
+    def _method_line(self) -> str:
+        """What the run trains and how it samples, in one line: the algorithm, LoRA, packing, top-p/top-k."""
+        cfg, p, r = self.cfg, self.policy, self.cfg.rollout
+        algo = (f"algo {cfg.algo} (advantage {p['advantage']}, loss {p['loss']}, correction {p['correction']}, "
+                f"π_old {p['anchor']})")
+        lora = (f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {cfg.lora.target_modules}: only the adapters "
+                f"train and checkpoints hold the adapters (PEFT format), the engine gets the merged weights"
+                if cfg.lora.rank else "full fine-tuning")
+        packing = "packing on" if self.learner.packing else "packing off"
+        cut = [x for x in (f"top-p {r.top_p:g}" if r.top_p < 1 else "", f"top-k {r.top_k}" if r.top_k else "") if x]
+        sampling = (f"sampling at temperature {r.temperature:g} with {' and '.join(cut)}: log μ is that of the truncated "
+                    f"distribution, which the learner does not score — it adds to the mismatch (set rollout.top_p=1, "
+                    f"rollout.top_k=0 for RL unless you mean it)" if cut
+                    else f"sampling at temperature {r.temperature:g} from the full distribution")
+        return f"{algo}; {lora}; {packing}; {sampling}"
 
     # --------------------------------------------------------------- the step
     def train_step(self) -> dict:
@@ -224,6 +252,7 @@ class Trainer:
                    "reward/error_fraction": roll.reward_errors / max(roll.reward_calls, 1),
                    "staleness/dropped": roll.stale_dropped, **roll.timings}
         self._check_reward_errors(metrics, roll)
+        self._check_truncation(metrics, roll)
         return metrics
 
     def _no_update(self, metrics: dict, roll, t_step: float) -> dict:
@@ -344,9 +373,27 @@ class Trainer:
             self.failed_reward_steps = self.failed_reward_steps + 1 if errors >= calls else 0
         if t.reward_error_patience and self.failed_reward_steps >= t.reward_error_patience:
             fn = t.reward or f"the {self.task.name} task's verifier"
+            saved = ckpt.complete(self.run_dir / "checkpoints")
+            then = (f"continue with --resume from the last checkpoint ({saved[-1].name})" if saved else
+                    "rerun with --resume: no checkpoint was saved yet, so it starts again from step 0")
             raise UnisonError(f"every call of the reward function {fn} raised for {self.failed_reward_steps} "
-                              f"consecutive steps (last: {roll.last_error}): fix it and continue with --resume "
-                              f"from the last checkpoint")
+                              f"consecutive step{'s' if self.failed_reward_steps != 1 else ''} (last: "
+                              f"{roll.last_error}): fix it and {then}")
+
+    def _check_truncation(self, metrics: dict, roll) -> None:
+        """One warning, the first time more than half of a step's responses were cut at max_new_tokens and
+        scored task.truncated_reward without a call of the verifier (or of the user's reward)."""
+        t, comps = self.cfg.task, roll.completions
+        if self.truncation_warned or t.truncated_reward is None or not comps:
+            return
+        cut = sum(c.finish_reason == "length" for c in comps) / len(comps)
+        if cut > 0.5:
+            self.truncation_warned = True
+            fn = t.reward or f"the {self.task.name} task's verifier"
+            self.log(f"[train] WARNING step {metrics['step']}: {cut:.0%} of the responses hit "
+                     f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} and scored "
+                     f"task.truncated_reward={t.truncated_reward:g} without a call of {fn}: raise "
+                     f"rollout.max_new_tokens, or set task.truncated_reward=null to grade them")
 
     def _watch_signal(self, metrics: dict, batch) -> None:
         """One warning when ``train.no_signal_steps`` steps in a row had nothing to learn from: every
@@ -354,13 +401,16 @@ class Trainer:
         patience = self.cfg.train.no_signal_steps
         uniform = batch is None or float(batch.advantages.abs().max()) == 0.0
         zero_grad = metrics.get("optim/grad_norm") == 0.0
+        metrics["train/no_signal"] = int(uniform or zero_grad)
         self.quiet_steps = self.quiet_steps + 1 if (uniform or zero_grad) else 0
         if patience and self.quiet_steps == patience:
             trunc = metrics.get("response/truncated_fraction")
+            graded = self.cfg.task.truncated_reward is None  # cut responses were graded: not why rewards are equal
             why = "every group's rewards were equal (zero advantage)" if uniform else "the gradient was zero"
-            hint = (f"{trunc:.0%} of responses hit rollout.max_new_tokens: raise it" if trunc and trunc > 0.5
+            hint = (f"{trunc:.0%} of responses hit rollout.max_new_tokens and scored task.truncated_reward "
+                    f"without a reward call: raise rollout.max_new_tokens" if trunc and trunc > 0.5 and not graded
                     else "the prompts are all too hard or all solved: use an easier set or `unison filter`")
-            self.log(f"[train] WARNING nothing is being learned: for {patience} steps {why}; {hint}, or change "
+            self.log(f"[train] WARNING nothing is being learned: for {plural(patience, 'step')} {why}; {hint}, or change "
                      f"the reward (train.no_signal_steps silences this)")
 
     # -------------------------------------------------------------------- run
@@ -437,6 +487,8 @@ class Trainer:
                 "reward_first": rewards[0] if rewards else None,
                 "reward_last": rewards[-1] if rewards else None,
                 "reward_last5_mean": float(np.mean(rewards[-5:])) if rewards else None,
+                "reward_errors": self.reward_errors,
+                "no_signal_steps": sum(int(r.get("train/no_signal") or 0) for r in rows),
                 "skipped_steps": self.learner.skipped_steps, "wall_s_this_session": wall,
                 "final": {k: v for k, v in last.items() if not k.startswith("time/")}}
 

@@ -15,11 +15,14 @@ steps with the error.
 
 
 def reward(response: str, item) -> float:
-    """How much of the answer the response spells out from its first character: 1.0 for the exact
-    answer, partial credit for a correct start (a signal even a small model can climb)."""
-    target = item["answer"].lower()
-    got = response.strip().lower()
-    n = 0
-    while n < min(len(got), len(target)) and got[n] == target[n]:
-        n += 1
-    return n / len(target) if got != target else 1.0
+    """Partial credit that even the built-in tiny model, which starts from random weights, can climb:
+    how well the letters the response uses match the letters of the answer (F1 of the two sets:
+    "seven" -> {s, e, v, n}). 1.0 when the response uses exactly the answer's letters, 0 when it
+    shares none. A trained model on a real task would be scored on the answer itself."""
+    target = set(item["answer"].lower())
+    used = set(response.strip().lower())
+    hit = len(target & used)
+    if not hit:
+        return 0.0
+    precision, recall = hit / len(used), hit / len(target)
+    return 2 * precision * recall / (precision + recall)

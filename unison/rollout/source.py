@@ -357,9 +357,10 @@ class NativeWorkerBackend:
 
     def __init__(self, model_dir, dtype, device, cfg, dist, learner):
         from unison.rollout.worker import EngineWorker, WorkerSpec
+        from unison.threads import budget, give
 
         r = cfg.rollout
-        cores = _cores()
+        cores = budget()  # this process's threads (the run's `threads`), split between the worker and the learner
         threads = r.worker_threads or max(1, cores // 2)
         self.learner_threads = max(1, cores - threads)
         spec = WorkerSpec(str(model_dir), dtype, device, r.quantization, r.quant_group_size, threads,
@@ -371,7 +372,7 @@ class NativeWorkerBackend:
         self.dp_rank, self.dp_size = dist.rank, dist.world_size
         self.dtype = dtype
         self._eval = _EvalIds()
-        torch.set_num_threads(self.learner_threads)
+        give(self.learner_threads)
 
     def publish(self, learner, version: int) -> dict[str, float]:
         self.worker.publish(version, learner.export_weights(None))
@@ -560,15 +561,6 @@ def _shared_memory_problem(named_shapes, slots: int) -> str | None:
     return (f"rollout.max_staleness keeps {who} fp32 copies of the weights in shared memory "
             f"({need / 2**30:.2f} GiB) and /dev/shm has {free / 2**30:.2f} GiB free: lower "
             f"rollout.max_staleness, or give the container more (docker --shm-size)")
-
-
-def _cores() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def make_source(cfg, engine_factory, task, reward, tokenizer, prompt_ids, dist, learner, model_dir, dtype):

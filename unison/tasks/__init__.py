@@ -147,7 +147,9 @@ def _import_file(path: str):
     return mod
 
 
-def make_task(cfg) -> Task:
+def make_task(cfg, evaluate: bool = True) -> Task:
+    """The task ``cfg`` names. ``evaluate=False`` (a run that never evaluates: ``train.eval_every`` 0,
+    ``unison filter``): a jsonl task keeps every row of its file for training instead of holding some out."""
     if cfg.name == "arithmetic":
         from unison.tasks.arithmetic import ArithmeticTask
 
@@ -175,8 +177,8 @@ def make_task(cfg) -> Task:
         if not cfg.reward:
             raise UnisonError("task.name is 'jsonl' but task.reward is not set: name your reward function, "
                               "e.g. task.reward=my_reward:score (README, 'Bring your own task')")
-        return JsonlTask(cfg.path, eval_path=cfg.eval_path, eval_size=cfg.eval_size, template=cfg.template,
-                         seed=cfg.seed)
+        return JsonlTask(cfg.path, eval_path=cfg.eval_path, eval_size=cfg.eval_size if evaluate else 0,
+                         template=cfg.template, seed=cfg.seed)
     if cfg.name == "reasoning_gym":
         from unison.tasks.gym import ReasoningGymTask
 
