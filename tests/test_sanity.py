@@ -157,23 +157,28 @@ def test_sanity_config_layers_defaults_yaml_and_overrides(tmp_path):
 
 
 def test_demo_end_to_end_small(tmp_path, capsys, sft_model):
-    """`unison demo` (make demo): the precision arms, then int4 GRPO and the same run quantization-aware, one
-    report with both tables, the three curves, the ledger and the headline; a rerun reuses every arm."""
+    """`unison demo` (make demo): the precision arms, then the clean run, int4 GRPO and the same run
+    quantization-aware, one report with both tables, the three curves, the ledger and the headline; a rerun
+    reuses every arm."""
     import shutil
 
     out = tmp_path / "d"
-    shutil.copytree(sft_model, out / "sft" / "model")  # the module's warm start (the demo reuses a finished SFT)
+    for part in ("precision", "collapse"):  # the module's warm start (the demo reuses a finished SFT)
+        shutil.copytree(sft_model, out / part / "sft" / "model")
     args = ["demo", "--out", str(out), "--precisions", "fp32", "--k", "4", "--max-prompts", "8",
-            "--set", "train.steps=2", "--set", "train.prompts_per_step=4", "--set", "rollout.n=4",
-            "--set", "checkpoint.every=0", "--set", "mismatch.decompose_every=1"]
+            "--collapse-prompts", "8", "--set", "train.steps=2", "--set", "train.prompts_per_step=4",
+            "--set", "rollout.n=4", "--set", "checkpoint.every=0", "--set", "mismatch.decompose_every=1",
+            "--set", "task.name=arithmetic", "--set", "train.mini_batches=1"]
     args += [x for kv in TASK for x in ("--set", kv)]
     assert main(args) == 0
-    arms = sorted(p.name for p in (out / "arms").iterdir())
-    assert arms == ["fp32-grpo", "fp32-int4-grpo", "fp32-int4-grpo-qat"]
+    assert sorted(p.name for p in (out / "precision" / "arms").iterdir()) == ["fp32-grpo"]
+    assert sorted(p.name for p in (out / "collapse" / "arms").iterdir()) == ["fp32-grpo", "fp32-int4-grpo",
+                                                                              "fp32-int4-grpo-qat"]
     text = (out / "report.md").read_text()
     assert "int4 rollout weights: GRPO went from" in text and "quantization_aware=true reached" in text
     assert (out / "plots" / "collapse_and_cure.png").exists() and (out / "plots" / "ledger.png").exists()
-    cured = [json.loads(x) for x in (out / "arms" / "fp32-int4-grpo-qat" / "metrics.jsonl").read_text().splitlines()]
+    cured = [json.loads(x) for x in (out / "collapse" / "arms" / "fp32-int4-grpo-qat" / "metrics.jsonl").read_text()
+             .splitlines()]
     assert all(r["mismatch/k3"] < 1e-9 for r in cured)  # π is the policy μ samples from
     assert "quantization_aware=true reached" in capsys.readouterr().out
     assert main(args) == 0  # everything reused

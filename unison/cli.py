@@ -312,38 +312,43 @@ def cmd_sanity(args) -> int:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="what unison is for, in minutes: the mismatch each precision causes, then a run "
                                     "that collapses (int4 rollout) and the same run cured (make demo)",
-                       description="Part 1: Paper A's sanity test, one GRPO run per precision (SFT warm start, a "
-                                   "perfectible set). Part 2: the fp32 run with int4 rollout weights, and the same "
-                                   "run with a quantization-aware learner. One report with both tables, the three "
-                                   "curves and each run's mismatch ledger. Rerunning with the same --out reuses what "
-                                   "is finished.")
+                       description="Part 1: Paper A's sanity test, one GRPO run per precision on 2-digit addition (SFT warm "
+                                   "start, a perfectible set, 40 steps). Part 2: on chained sums with the working written "
+                                   "out (69-token answers), the clean fp32 run, the same run with int4 rollout weights, "
+                                   "and that run with a quantization-aware learner (60 steps each). One report with both "
+                                   "tables, the three curves and each run's mismatch ledger. Rerunning with the same "
+                                   "--out reuses what is finished.")
     p.add_argument("config", nargs="?", default=None,
                    help="YAML overriding the built-in recipe (unison/sanity.py DEFAULTS)")
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     p.add_argument("--precisions", default="fp16,bf16,fp32", help="part 1's arms (default: fp16,bf16,fp32)")
     p.add_argument("--quantization", default="int4", help="part 2's rollout weight format (default: int4)")
     p.add_argument("--k", type=int, default=8, help="filter: samples per prompt (default: 8)")
-    p.add_argument("--max-prompts", type=int, default=32, help="filter: size of the training set (default: 32)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--max-prompts", type=int, default=32, help="filter: part 1's training set (default: 32)")
+    p.add_argument("--collapse-prompts", type=int, default=64, help="filter: part 2's training set (default: 64)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, applied to both parts (after part 2's recipe: unison/demo.py)")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
     from rich.console import Console
 
-    from unison.demo import run_demo
+    from unison.demo import COLLAPSE_RECIPE, PRECISION_STEPS, run_demo
     from unison.quant import parse_quantization
     from unison.report import rich_table
     from unison.sanity import sanity_config
 
-    cfg = sanity_config(args.config, args.set)
+    precision_cfg = sanity_config(args.config, PRECISION_STEPS + args.set)
+    collapse_cfg = sanity_config(args.config, COLLAPSE_RECIPE + args.set)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
     quant = parse_quantization(args.quantization)
     if quant == "none":
         raise UnisonError("--quantization none leaves nothing to collapse: use int4 (or fp8, int8)")
-    res = run_demo(cfg, out, _csv(args.precisions), quantization=quant, k=args.k, max_prompts=args.max_prompts)
+    res = run_demo(precision_cfg, collapse_cfg, out, _csv(args.precisions), quantization=quant, k=args.k,
+                   max_prompts=args.max_prompts, collapse_prompts=args.collapse_prompts)
     console = Console(width=max(Console().width, 140))
     console.print(rich_table(res["arms"], title="unison demo: one row per run"))
     console.print(res["headline"])
