@@ -30,17 +30,21 @@ class TaskConfig(_Section):
     """Where prompts and rewards come from (see ``unison/tasks/``)."""
 
     #: arithmetic | scratchpad | math (JSONL problem/answer, math-verify) | jsonl (your prompts and your
-    #: reward function: README, "Bring your own task") | reasoning_gym
-    name: Literal["arithmetic", "scratchpad", "math", "jsonl", "reasoning_gym"] = "arithmetic"
-    #: arithmetic, scratchpad: number of digits of each operand
+    #: reward function: README, "Bring your own task") | reasoning_gym | env (multi-turn episodes with your
+    #: environment and tools: README, "Multi-turn environments and tools") | calculator (arithmetic solved with
+    #: a calc tool, multi-turn) | guess_number (guess a number from higher/lower replies, multi-turn)
+    name: Literal["arithmetic", "scratchpad", "math", "jsonl", "reasoning_gym", "env", "calculator",
+                  "guess_number"] = "arithmetic"
+    #: arithmetic, scratchpad, calculator: number of digits of each operand; guess_number: digits of the
+    #: secret (1..10^digits − 1)
     digits: int = Field(2, ge=1, le=9)
     #: scratchpad: operands of each chained sum (7: worked answers of 60–80 characters)
     operands: int = Field(7, ge=2, le=64)
     #: scratchpad: what SFT demonstrates — full (the working), direct (the bare answer), mixed (half each)
     style: Literal["full", "direct", "mixed"] = "full"
-    #: arithmetic: operators to draw from
+    #: arithmetic, calculator: operators to draw from
     operators: list[Literal["+", "-", "*"]] = ["+"]
-    #: arithmetic / reasoning_gym: problems in the training split
+    #: arithmetic / reasoning_gym / calculator / guess_number: problems in the training split
     train_size: int = Field(2000, ge=1)
     #: problems in the held-out eval split. arithmetic / reasoning_gym: generated beside the train
     #: split. math without ``eval_path``: min(eval_size, ⌊rows/10⌋) rows of ``path`` (seeded
@@ -65,8 +69,25 @@ class TaskConfig(_Section):
     dataset: str | None = None
     #: custom reward ``module:function`` (``module.py`` next to the config file, or importable) or
     #: ``path/to/file.py:function``, called as ``f(response: str, item: Item) -> float``; replaces
-    #: the task's verifier (README, "Bring your own task")
+    #: the task's verifier (README, "Bring your own task"). Multi-turn tasks: called once per episode as
+    #: ``f(messages: list[dict], item) -> float`` on the whole conversation, instead of the environment's reward
     reward: str | None = None
+    #: env: the environment class ``module:Class`` (``module.py`` next to the config file, or importable) or
+    #: ``path/to/file.py:Class``; one instance per episode, created with no arguments, with ``reset(item) ->
+    #: messages`` and ``step(text) -> (messages, reward or None, done)`` and optional ``tools`` (unison/tasks/env.py)
+    env: str | None = None
+    #: multi-turn tasks: model turns per episode at most (an episode still going after them is truncated);
+    #: each turn samples at most rollout.max_new_tokens
+    max_turns: int = Field(4, ge=1)
+    #: multi-turn tasks: tokens an episode may add after its first prompt, the model's and the environment's
+    #: together (the sequence the learner trains on is at most first prompt + this); more truncates it
+    max_episode_tokens: int = Field(512, ge=1)
+    #: multi-turn tasks: the chat template episodes are rendered with (unison/chat.py) — auto (the model's own;
+    #: unison's builtin:tiny when the tokenizer has none; builtin:chatml-tools when a ChatML model's template
+    #: ignores tools, as SmolLM2's) | model (the model's own, else refused) | builtin:tiny | builtin:chatml-tools |
+    #: a jinja file. It must be prefix-preserving (checked at start: Qwen3's, which drops earlier <think> blocks, is
+    #: refused)
+    chat_template: str = "auto"
     #: reward given to a response cut at max tokens (Paper A: 0)
     truncated_reward: float | None = 0.0
     #: warn loudly when more than this fraction of a step's rewards raised (they score 0)
@@ -533,12 +554,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is None:
         return cfg
     here = Path(path).resolve().parent
-    spec = cfg.task.reward
-    if spec and ":" in spec and not spec.rsplit(":", 1)[0].endswith(".py"):
-        module, fn = spec.rsplit(":", 1)
-        beside = here / (module.replace(".", "/") + ".py")
-        if beside.is_file():
-            cfg.task.reward = f"{beside}:{fn}"
+    for key in ("reward", "env"):  # module:name next to the config file
+        spec = getattr(cfg.task, key)
+        if spec and ":" in spec and not spec.rsplit(":", 1)[0].endswith(".py"):
+            module, fn = spec.rsplit(":", 1)
+            beside = here / (module.replace(".", "/") + ".py")
+            if beside.is_file():
+                setattr(cfg.task, key, f"{beside}:{fn}")
+    template = cfg.task.chat_template  # a jinja file named relative to the config file
+    if template not in ("auto", "model") and not template.startswith("builtin:") \
+            and not Path(template).expanduser().exists() and (here / template).exists():
+        cfg.task.chat_template = str(here / template)
     for key in ("path", "eval_path"):  # data named relative to the config file, when not found from here
         value = getattr(cfg.task, key)
         if value and not value.startswith("builtin:") and not Path(value).expanduser().exists() \

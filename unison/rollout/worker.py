@@ -102,6 +102,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     torch.set_num_threads(spec.threads)
     try:
+        from unison.rollout import generate
         from unison.rollout.native import NativeEngine
 
         engine = NativeEngine(spec.model_dir, dtype=spec.dtype, device=spec.device,
@@ -139,7 +140,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
                 engine.load_weights(weights.items())
                 loaded = version
             t1 = time.perf_counter()
-            comps = engine.generate(prompts, params)
+            comps = generate(engine, prompts, params)  # multi-turn episodes run here, turn by turn
             for c in comps:
                 c.versions = (loaded, loaded)
             results.put(("done", job, comps, loaded, time.perf_counter() - t1, idle))
