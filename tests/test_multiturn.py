@@ -270,3 +270,195 @@ def test_the_prefix_preserving_check_on_a_template_that_is_and_one_that_is_not(t
     keeps = qwen3.replace("{%- if '</think>' in message.content %}", "{%- if false %}").replace(
         "{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if false %}")
     ChatTemplate(tok, keeps, [_PROBE_TOOL], "Qwen3-kept").prepare()
+
+
+def test_turn_and_token_budgets_truncate_the_episode(tiny_dir):
+    cfg, task, tok = _calc_task(tiny_dir, "task.max_turns=1")
+    c = generate(Scripted(tok, _calc_reply), task.episodes(task.train[:1]), SamplingParams(n=1, max_tokens=40))[0]
+    assert (c.finish_reason, c.episode.end, c.episode.turns, c.episode.tool_calls) == ("length", "max_turns", 1, 1)
+    assert make_reward(task, cfg.task).score_completions([c], task.train[:1], tok) == [0.0]  # task.truncated_reward
+    assert c.mask == [1] * len(c.token_ids)  # nothing is appended after the last turn
+    cfg, task, tok = _calc_task(tiny_dir, "task.max_episode_tokens=30")  # the call (22) fits, its result does not
+    c = generate(Scripted(tok, _calc_reply), task.episodes(task.train[:1]), SamplingParams(n=1, max_tokens=40))[0]
+    assert (c.finish_reason, c.episode.end) == ("length", "episode_tokens") and len(c.token_ids) <= 30
+    c = generate(Scripted(tok, lambda t: "9" * 50), task.episodes(task.train[:1]), SamplingParams(n=1, max_tokens=8))[0]
+    assert (c.finish_reason, c.episode.end, len(c.token_ids)) == ("length", "turn_tokens", 8)
+
+
+# ----------------------------------------------------------------------- runs: faults and bad input
+ENV = textwrap.dedent('''
+    import os
+    import signal
+    from pathlib import Path
+
+
+    def shout(word: str) -> str:
+        """Upper-case a word.
+
+        Args:
+            word: the word to shout
+        """
+        if word == "boom":
+            raise RuntimeError("the tool exploded")
+        return word.upper()
+
+
+    class EchoEnv:
+        """Say the target word back; every other turn is told to try again (reward: length / 10)."""
+
+        tools = [shout]
+
+        def reset(self, item):
+            if os.environ.get("ECHO_RAISE"):
+                raise KeyError("the environment broke")
+            if item.get("bad"):
+                raise ValueError("this row has no target")
+            self.target = item["target"]
+            return [{"role": "user", "content": "say " + item["target"]}]
+
+        def step(self, text):
+            if os.environ.get("ECHO_RAISE"):
+                raise KeyError("the environment broke")
+            kill = os.environ.get("ECHO_KILL_AFTER")  # SIGKILL mid-episode once that checkpoint exists
+            if kill and Path(kill).exists() and not Path(kill + ".killed").exists():
+                Path(kill + ".killed").write_text("")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if text.strip() == self.target:
+                return [], 1.0, True
+            return [{"role": "user", "content": "again"}], len(text) / 10, False
+''')
+RUN = ["task.name=env", "task.env=echo_env:EchoEnv", "task.path=data.jsonl", "task.eval_size=0", "task.max_turns=3",
+       "task.max_episode_tokens=48", "task.truncated_reward=null", "rollout.n=2", "rollout.max_new_tokens=8",
+       "train.prompts_per_step=2", "train.lr=1e-3", "log.console=false", "log.tensorboard=false"]
+
+
+@pytest.fixture()
+def echo(tmp_path, monkeypatch):
+    (tmp_path / "echo_env.py").write_text(ENV)
+    rows = [{"target": w} for w in ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op")]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.yaml").write_text("seed: 0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _train(out, *extra, steps=3, resume=False, log=lambda m: None):
+    from unison.trainer import Trainer
+
+    return Trainer(load_config(None, RUN + [f"train.steps={steps}", *extra]), out, resume=resume, log=log)
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))} for r in rows]
+
+
+def test_an_env_run_logs_its_episodes_turn_by_turn(echo):
+    from unison.data_io import read_metrics
+
+    _train(echo / "run", "log.rollouts=true", "mismatch.decompose_every=1").fit()
+    rows = read_metrics(echo / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 1 <= r["rollout/turns_mean"] <= 3 and r["rollout/tool_errors"] >= 0
+        assert r["mismatch/k3"] < 1e-9 and r["mismatch/retokenize_fraction"] >= 0
+        assert r["response_length/max"] <= 3 * 8  # model tokens only
+    logged = [json.loads(x) for x in (echo / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(logged) == 4
+    for x in logged:
+        assert [t["by"] for t in x["turns"]][0] == "model" and {t["by"] for t in x["turns"]} <= {"model", "env"}
+        assert sum(len(t["token_ids"]) for t in x["turns"]) == len(x["token_ids"])
+        assert x["messages"][0] == {"role": "user", "content": "say " + x["messages"][0]["content"][4:]}
+    report = (echo / "run" / "report.md").read_text()
+    assert "Episodes (step 3, turn by turn)" in report and "[model]" in report and "[env]" in report
+
+
+def test_a_raising_environment_or_tool_scores_0_is_counted_and_stops_the_run(echo, monkeypatch):
+    from unison import checkpoint as ckpt
+    from unison.tasks.env import EnvTask
+
+    cfg = load_config(None, RUN)
+    task = EnvTask(cfg.task)
+    tok = load_tokenizer(__import__("unison.models", fromlist=["x"]).builtin_model_dir("tiny"))
+    task.prepare(tok)
+    boom = generate(Scripted(tok, lambda t: '[shout(word="boom")]'), task.episodes(task.train[:1]),
+                    SamplingParams(n=1, max_tokens=40))[0]
+    assert boom.episode.error == "tool shout raised RuntimeError: the tool exploded" and boom.episode.tool_errors == 1
+    reward = make_reward(task, cfg.task)
+    assert reward.score_completions([boom], task.train[:1], tok) == [0.0] and (reward.calls, reward.errors) == (1, 1)
+    logs = []
+    t = _train(echo / "run", "checkpoint.every=1", "log.console=true", steps=5, log=logs.append)
+    monkeypatch.setenv("ECHO_RAISE", "1")  # after start-up (whose reset calls would refuse the run at once)
+    with pytest.raises(UnisonError, match=r"every episode of the environment echo_env:EchoEnv failed for 3 "
+                                          r"consecutive steps \(last: EchoEnv.reset raised KeyError: 'the environment "
+                                          r"broke'\)"):
+        t.fit()
+    assert any(m.startswith("[train] WARNING step 1: 4 of 4 rewards raised") for m in logs), logs
+    done = ckpt.complete(echo / "run" / "checkpoints")
+    assert [p.name for p in done] == ["step_000001", "step_000002"] and ckpt.verify(done[-1]) is None
+    rows = [json.loads(x) for x in (echo / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/env_errors"] for r in rows] == [4, 4] and [r["reward/mean"] for r in rows] == [0.0, 0.0]
+
+
+def _cli(echo, capsys, *sets):
+    from unison.cli import main
+
+    code = main(["train", str(echo / "c.yaml"), "--out", str(echo / "out")] + [f"--set={s}" for s in RUN + list(sets)])
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def test_bad_input_is_one_line_and_writes_nothing(echo, capsys, tiny_dir):
+    from unison.models import save_model_dir, load_model
+
+    smol_like = echo / "smol_like"  # the tiny model with SmolLM2's chat template, which ignores tools
+    tok = load_tokenizer(tiny_dir)
+    tok.chat_template = (TEMPLATES / "SmolLM2-135M-Instruct-gguf.jinja").read_text()
+    save_model_dir(load_model(tiny_dir, torch.float32), tok, smol_like)
+    (echo / "bad.jsonl").write_text('{"target": "ab"}\n{"bad": 1}\n')
+    (echo / "noargs.py").write_text("class E:\n    def __init__(self, x):\n        pass\n    def reset(self, item):\n"
+                                    "        return []\n    def step(self, t):\n        return [], 0, True\n")
+    (echo / "nodoc.py").write_text("def f(x):\n    return x\nclass E:\n    tools = [f]\n    def reset(self, item):\n"
+                                   "        return []\n    def step(self, t):\n        return [], 0, True\n")
+    cases = [
+        (["task.path=bad.jsonl"], r"environment \S*echo_env.py:EchoEnv: reset\(.*bad.jsonl:2\) raised ValueError: this row "
+                                  r"has no target: fix the environment or the item"),
+        ([f"model={smol_like}"], r"the chat template of model .*smol_like does not render tools, and the environment "
+                                 r"has tools: set task.chat_template"),
+        ([f"model={smol_like}", "task.chat_template=model"], r"does not render tools"),
+        ([f"task.chat_template={TEMPLATES / 'Qwen-Qwen3-0.6B.jinja'}"], r"is not prefix-preserving"),
+        (["task.chat_template=builtin:nope"], r"task.chat_template 'builtin:nope' is not a built-in template"),
+        (["task.env=missing_mod:Env"], r"cannot import environment module 'missing_mod'"),
+        (["task.env=echo_env:Nope"], r"environment '\S*echo_env.py:Nope': module '\S*echo_env.py' has no class 'Nope'"),
+        (["task.env=noargs:E"], r"environment \S*noargs.py:E cannot be created with no arguments"),
+        (["task.env=nodoc:E"], r"tool 'f': no JSON schema from its signature and docstring"),
+        (["task.env=null"], r"task.name is 'env' but task.env is not set"),
+        (["exact=true"], r"exact mode fixes one prompt width .* is multi-turn"),
+        (["task.max_episode_tokens=2000"], r"with task.max_episode_tokens=2000 that exceeds the model's context"),
+    ]
+    for sets, match in cases:
+        code, err = _cli(echo, capsys, *sets)
+        assert code == 2 and len(err) == 1 and err[0].startswith("unison: error: "), (sets, err)
+        assert __import__("re").search(match, err[0]), (sets, err[0])
+        assert not (echo / "out").exists(), sets
+
+
+def test_sigkill_mid_episode_then_resume_equals_the_uninterrupted_run(echo, tiny_dir):
+    import os
+    import subprocess
+    import sys
+
+    from unison.data_io import read_metrics
+
+    sets = ["checkpoint.every=1"]
+    _train(echo / "full", *sets, steps=4).fit()
+    script = (f"import sys; sys.path.insert(0, {str(echo)!r})\nfrom unison.config import load_config\n"
+              f"from unison.trainer import Trainer\nTrainer(load_config(None, {RUN + sets + ['train.steps=4']!r}), "
+              f"{str(echo / 'part')!r}, log=lambda m: None).fit()\n")
+    env = dict(os.environ, ECHO_KILL_AFTER=str(echo / "part" / "checkpoints" / "step_000002"))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=echo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # killed by the environment, inside step 3's episodes
+    assert len(read_metrics(echo / "part" / "metrics.jsonl")) == 2
+    _train(echo / "part", *sets, steps=4, resume=True).fit()
+    assert _comparable(read_metrics(echo / "part" / "metrics.jsonl")) == \
+        _comparable(read_metrics(echo / "full" / "metrics.jsonl"))

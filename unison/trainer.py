@@ -54,7 +54,7 @@ from unison.rollout.source import PromptSampler, make_source, step_seed  # noqa:
 from unison.runlog import RunLog, console_line, memory_metrics
 from unison.schedules import GradNoiseTracker, make_schedule
 from unison.tasks import make_reward, make_task
-from unison.tasks.env import episode_metrics, model_token_budget, tokens_after_prompt
+from unison.tasks.env import episode_metrics, model_token_budget, tokens_after_prompt, with_model_tokens
 
 CKPT_PREFIX = ckpt.PREFIX
 
@@ -164,6 +164,7 @@ class Trainer:
         t_step = time.perf_counter()
         roll = self.source.next(step)                                  # 1. μ's samples and their rewards
         metrics = self._rollout_metrics(step, roll)
+        roll.completions, roll.rewards = with_model_tokens(roll.completions, roll.rewards)
         if not roll.completions:
             return self._no_update(metrics, roll, t_step)
         if cfg.log.rollouts:
@@ -231,7 +232,9 @@ class Trainer:
         return retokenize_metrics(self.learner, completions, self.task.template, self.source.pad_id)
 
     def _no_update(self, metrics: dict, roll, t_step: float) -> dict:
-        why = "every sample was too stale" if roll.stale_dropped else "every group had uniform rewards"
+        why = "every sample was too stale" if roll.stale_dropped else \
+            "no episode got to a model turn" if roll.episodes and not roll.dropped_groups else \
+            "every group had uniform rewards"
         self.log(f"[train] step {metrics['step']}: {why}; no update")
         metrics["reward/trained_mean"] = float("nan")
         self._watch_signal(metrics, None)

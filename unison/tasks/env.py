@@ -316,6 +316,15 @@ def episode_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
             "rollout/env_errors": sum(r.error is not None for r in records)}
 
 
+def with_model_tokens(completions, rewards):
+    """The completions the learner can train on, with their rewards: an episode that failed before the
+    model's first turn (its ``reset`` raised) has no token to score (its reward was counted)."""
+    keep = [i for i, c in enumerate(completions) if c.num_sampled]
+    if len(keep) == len(completions):
+        return completions, rewards
+    return [completions[i] for i in keep], [rewards[i] for i in keep]
+
+
 #: the task names whose items are multi-turn episodes
 MULTI_TURN_TASKS = ("env", "calculator", "guess_number")
 
