@@ -1,6 +1,8 @@
 """Multi-turn episodes (issue 29): the masked data shape, the environment interface, token in /
 token out, tool calls, tokenization drift, and faults."""
 
+import math
+
 import pytest
 import torch
 
@@ -369,8 +371,25 @@ def test_an_env_run_logs_its_episodes_turn_by_turn(echo):
         assert [t["by"] for t in x["turns"]][0] == "model" and {t["by"] for t in x["turns"]} <= {"model", "env"}
         assert sum(len(t["token_ids"]) for t in x["turns"]) == len(x["token_ids"])
         assert x["messages"][0] == {"role": "user", "content": "say " + x["messages"][0]["content"][4:]}
-    report = (echo / "run" / "report.md").read_text()
-    assert "Episodes (step 3, turn by turn)" in report and "[model]" in report and "[env]" in report
+    assert "## Episodes (step 3, turn by turn)" in (echo / "run" / "report.md").read_text()
+
+
+def test_the_rollout_log_and_the_report_show_whose_tokens_each_turn_holds(tmp_path, tiny_dir):
+    from unison.report import episodes_section
+    from unison.runlog import RunLog
+
+    cfg, task, tok = _calc_task(tiny_dir)
+    comps = generate(Scripted(tok, _calc_reply), task.episodes(task.train[:1]), SamplingParams(n=1, max_tokens=40))
+    RunLog(tmp_path, cfg, True).rollouts(7, comps, [1.0], tok)
+    row = json.loads((tmp_path / "rollouts" / "step_000007.jsonl").read_text())
+    item = task.train[0]
+    assert [(t["by"], t["text"]) for t in row["turns"]] == [
+        ("model", f'[calc(expression="{item.prompt}")]</s>'), ("env", f"T:{item.answer}\nA:"),
+        ("model", f"{item.answer}</s>")]
+    assert row["turns"][0]["logp_mu_sum"] == -0.5 * len(row["turns"][0]["token_ids"]) and "logp_mu_sum" not in row["turns"][1]
+    assert (row["model_turns"], row["tool_calls"], row["ended"]) == (2, 1, "done")
+    text = "\n".join(episodes_section(tmp_path, "arm"))
+    assert f"[model] '[calc(expression=\"{item.prompt}\")]</s>'" in text and f"[env] 'T:{item.answer}\\nA:'" in text
 
 
 def test_a_raising_environment_or_tool_scores_0_is_counted_and_stops_the_run(echo, monkeypatch):
@@ -462,3 +481,149 @@ def test_sigkill_mid_episode_then_resume_equals_the_uninterrupted_run(echo, tiny
     _train(echo / "part", *sets, steps=4, resume=True).fit()
     assert _comparable(read_metrics(echo / "part" / "metrics.jsonl")) == \
         _comparable(read_metrics(echo / "full" / "metrics.jsonl"))
+
+
+# ----------------------------------------------------------------------- tokenization drift
+def _bpe_model(path):
+    """A random tiny Llama whose tokenizer merges "a"+"b" into "ab" (so "a","b" is a non-canonical split)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from unison.models import BOS, CHARSET, EOS, PAD, UNK
+
+    specials = [PAD, BOS, EOS, UNK]
+    vocab = {t: i for i, t in enumerate(specials + list(CHARSET) + ["ab"])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token=UNK))
+    core.add_special_tokens(specials)
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(3)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+class Ids:
+    """An engine that samples given ids, turn by turn (log μ −0.5 each)."""
+
+    name, pad_id, eos_ids, dp_rank, dp_size = "ids", 0, [2], 0, 1
+
+    def __init__(self, turns):
+        self.turns = list(turns)
+
+    def generate(self, prompts, params):
+        ids = self.turns.pop(0)
+        return [Completion(prompt_ids=list(p), token_ids=list(ids), logprobs=[-0.5] * len(ids), finish_reason="stop")
+                for p in prompts]
+
+
+def test_retokenize_drift_against_a_hand_computed_value(echo, tmp_path):
+    from unison.retokenize import retokenize_metrics
+    from unison.tasks.env import EnvTask
+
+    model = _bpe_model(tmp_path / "bpe")
+    tok = load_tokenizer(model)
+    a, b, ab, x, y, eos = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "ab", "x", "y", "</s>"))
+    assert tok("ab", add_special_tokens=False)["input_ids"] == [ab]  # "a","b" is not how it tokenizes "ab"
+    cfg = load_config(None, RUN)
+    task = EnvTask(cfg.task)
+    task.prepare(tok)
+    item = next(it for it in task.train if it["target"] == "ab")
+    # turn 1 "xy" (canonical, told "again"), turn 2 "ab" sampled as "a","b": the answer
+    c = generate(Ids([[x, y, eos], [a, b, eos]]), task.episodes([item]), SamplingParams(n=1, max_tokens=8))[0]
+    assert (c.episode.turns, c.episode.end, c.episode.reward) == (2, "done", 1.0)
+    learner = Learner(model)
+    got = retokenize_metrics(learner, [c], task.template, 0)
+    # by hand: the re-rendered conversation, scored by the model itself
+    text = task.template.text(c.episode.messages, False)
+    assert text.endswith("A:xy</s>U:again\nA:ab</s>")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(learner.model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    lp = [0.0] + [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
+    n = len(ids)
+    assert ids[n - 15:n - 12] == [x, y, eos] and ids[n - 2:] == [ab, eos]
+    turn1 = [lp[n - 15], lp[n - 14], lp[n - 13]]  # x, y, </s> (then "U:again\nA:", 10 tokens)
+    turn2 = lp[n - 2] + lp[n - 1] + 1.5  # "ab", "</s>" against the three sampled tokens' Σ log μ = −1.5
+    k3 = lambda r: math.expm1(r) - r  # noqa: E731
+    want = (sum(k3(v + 0.5) for v in turn1) + 3 * k3(turn2 / 3)) / 6
+    assert got["mismatch/retokenize_fraction"] == 0.5 and got["mismatch/retokenize_token_fraction"] == 0.5
+    assert got["mismatch/retokenize_k3"] == pytest.approx(want, rel=1e-5)
+    # nothing to re-tokenize differently: 0 drift (the tiny model's character tokenizer)
+    c2 = generate(Ids([[x, y, eos], [ab, eos]]), task.episodes([item]), SamplingParams(n=1, max_tokens=8))[0]
+    got2 = retokenize_metrics(learner, [c2], task.template, 0)
+    assert got2["mismatch/retokenize_fraction"] == 0.0 and got2["mismatch/retokenize_token_fraction"] == 0.0
+
+
+# ----------------------------------------------------------------------- engines and modes
+def _server_prompts_chain(tok, prompts, task):
+    """Every second-turn request is a first-turn request + the ids the server sampled + the template's ids
+    for the tool's result: token-id prompts, nothing re-rendered."""
+    ids = lambda s: list(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    firsts = [p for p in prompts if tok.decode(p).count("A:") == 1]
+    seconds = [p for p in prompts if tok.decode(p).count("A:") == 2]
+    assert len(firsts) == len(seconds) == len(prompts) // 2
+    for p in seconds:
+        q = tok.decode(p).split("U:")[1].split("\n")[0]
+        call = ids(f'[calc(expression="{q}")]') + [2]
+        head = next(f for f in firsts if list(f) + call == p[:len(f) + len(call)])
+        assert p == list(head) + call + ids(f"T:{__import__('unison.tasks.calculator', fromlist=['x']).calc(q)}\nA:")
+    return len(seconds)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_episodes_through_a_vllm_server_send_token_id_prompts(tmp_path, tiny_dir, k):
+    """vllm.mode server (a stub of vLLM's HTTP API that answers like a model that uses the tool), synchronous
+    and one version ahead (the episodes then run on the generating thread, each at one version)."""
+    from unison.data_io import read_metrics
+    from unison.rollout.vllm_engine import PROBE_TEXT
+    from unison.trainer import Trainer
+    from vllm_stub import StubServer
+
+    tok = load_tokenizer(tiny_dir)
+    script = lambda p: list(tok(_calc_reply(tok.decode(p)), add_special_tokens=False)["input_ids"]) + [2]  # noqa: E731
+    with StubServer(str(tiny_dir), list(tok(PROBE_TEXT)["input_ids"]), len(tok), script=script) as stub:
+        cfg = load_config(None, CALC + ["engine=vllm", "vllm.mode=server", f"vllm.url={stub.url}", "rollout.n=2",
+                                        "rollout.max_new_tokens=32", "train.prompts_per_step=2", "train.steps=3",
+                                        "log.console=false", "log.tensorboard=false", f"rollout.max_staleness={k}"])
+        Trainer(cfg, tmp_path / "run", log=lambda m: None).fit()
+        prompts = list(stub.prompts)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["reward/mean"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["rollout/turns_mean"] == 2 and r["rollout/tool_calls_mean"] == 1 for r in rows)
+    assert [r["staleness/max"] for r in rows] == ([0.0] * 3 if k == 0 else [0.0, 1.0, 1.0])
+    assert _server_prompts_chain(tok, prompts, None) == 3 * 2 * 2 + (2 * 2 if k else 0)  # k = 1: one batch ahead
+
+
+def _async_run(echo, name):
+    from unison.data_io import read_metrics
+
+    _train(echo / name, "rollout.max_staleness=1", "rollout.worker_threads=1", "log.rollouts=true", steps=3).fit()
+    return read_metrics(echo / name / "metrics.jsonl")
+
+
+def test_episodes_run_in_the_async_worker_one_version_late(echo):
+    """rollout.max_staleness 1, native engine: the worker process runs the environment beside its engine;
+    each batch of episodes is sampled with one version, K behind the learner."""
+    rows = _async_run(echo, "a")
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0] and [r["staleness/mean"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["rollout/turns_mean"] >= 1 and r["rollout/env_errors"] == 0 for r in rows)
+    logged = [json.loads(x) for x in (echo / "a" / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
+    assert {x["version"] for x in logged} == {0} and all(x["turns"][0]["by"] == "model" for x in logged)
+
+
+@pytest.mark.slow
+def test_episodes_in_the_async_worker_are_deterministic(echo):
+    assert _comparable(_async_run(echo, "a")) == _comparable(_async_run(echo, "b"))
+
+
+def test_dynamic_sampling_drops_uniform_groups_of_episodes(echo, monkeypatch):
+    """DAPO's filter on episode groups: an environment that always pays the same drops every group."""
+    (echo / "flat_env.py").write_text("class Flat:\n    def reset(self, item):\n        return [{'role': 'user', "
+                                      "'content': 'hi'}]\n    def step(self, text):\n        return [], 0.5, True\n")
+    m = _train(echo / "run", "task.env=flat_env:Flat", "train.drop_uniform_groups=true", "task.truncated_reward=0.5",
+               steps=1).train_step()
+    assert m["data/dropped_groups"] == 2 and m["reward/mean"] == 0.5 and m["reward/trained_mean"] != m["reward/trained_mean"]

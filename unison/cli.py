@@ -49,6 +49,10 @@ def _add_probe(sub) -> None:
                         "channel; int4 in groups of --quant-group-size); one arm per precision and format against "
                         "the same learner (default: none)")
     p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale (default: 64)")
+    p.add_argument("--task", default=None,
+                   help="a multi-turn task (calculator, guess_number, or a YAML config with one): run its first 8 items "
+                        "as episodes (--max-new-tokens per turn) and add the tokenization drift of a loop that "
+                        "re-tokenizes the conversation (mismatch/retokenize_*)")
     p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
     p.set_defaults(func=cmd_probe)
 
@@ -62,7 +66,8 @@ def cmd_probe(args) -> int:
                       engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed, device=args.device,
                       param_dtypes=_csv(args.param_dtype), exact=args.exact,
-                      quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size)
+                      quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
+                      task=args.task)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")

@@ -40,7 +40,8 @@ class TaskConfig(_Section):
     digits: int = Field(2, ge=1, le=9)
     #: scratchpad: operands of each chained sum (7: worked answers of 60–80 characters)
     operands: int = Field(7, ge=2, le=64)
-    #: scratchpad: what SFT demonstrates — full (the working), direct (the bare answer), mixed (half each)
+    #: scratchpad: what SFT demonstrates — full (the working), direct (the bare answer), mixed (half each);
+    #: calculator: full (the calc call, its result, the answer), direct (the answer alone), mixed (half each)
     style: Literal["full", "direct", "mixed"] = "full"
     #: arithmetic, calculator: operators to draw from
     operators: list[Literal["+", "-", "*"]] = ["+"]
@@ -370,7 +371,9 @@ class LogConfig(_Section):
     #: print a line per step
     console: bool = True
     #: write every trained-on completion (prompt and response text, token ids, reward, finish
-    #: reason, Σ log μ) to rollouts/step_NNNNNN.jsonl — for reading samples and offline analysis
+    #: reason, Σ log μ) to rollouts/step_NNNNNN.jsonl — for reading samples and offline analysis;
+    #: multi-turn episodes also turn by turn (``turns``: whose tokens — the model's or the environment's —
+    #: each span holds) and as messages; the run's report.md then shows the newest step's episodes
     rollouts: bool = False
 
 

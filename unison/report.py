@@ -141,7 +141,7 @@ def episodes_section(run_dir: Path, arm: str, show: int = 2) -> list[str]:
         rows = [json.loads(x) for x in logs[-1].read_text(encoding="utf-8").splitlines() if x.strip()]
     except (json.JSONDecodeError, UnicodeDecodeError):
         return []
-    rows = [r for r in rows if "turns" in r][:show]
+    rows = sorted((r for r in rows if "turns" in r), key=lambda r: -len(r["turns"]))[:show]  # the longest
     if not rows:
         return []
     step = int(logs[-1].stem.split("_")[-1])

@@ -7,7 +7,9 @@ alone. Reward 1 when the answer is the exact result *and* the model called ``cal
 expression that has that value; 0 otherwise — so guessing without the tool earns nothing.
 
 Demonstrations for ``unison sft`` (:meth:`CalculatorEnv.demonstration`): the call with the
-problem's expression, the tool's result, the answer.
+problem's expression, the tool's result, the answer; with ``task.style: mixed`` half of them answer
+directly instead (``direct``: all), so the warm-started model uses the tool only some of the time and
+RL has something to learn: when to call it.
 """
 
 from __future__ import annotations
@@ -74,7 +76,11 @@ class CalculatorEnv:
 
     @staticmethod
     def demonstration(item: Item) -> list[dict]:
+        """The turns after ``reset`` for ``unison sft``: the call, its result, the answer — or, for an item
+        marked ``demo: direct`` (``task.style``), the answer alone, as a model that does not use the tool."""
         expr = item.prompt
+        if item.get("demo") == "direct":
+            return [{"role": "assistant", "content": item.answer}]
         return [{"role": "assistant", "tool_calls": [{"name": "calc", "arguments": {"expression": expr}}]},
                 {"role": "tool", "name": "calc", "content": calc(expr)},
                 {"role": "assistant", "content": item.answer}]
@@ -96,7 +102,9 @@ class CalculatorTask(EnvTask):
             if (a, op, b) in seen:
                 continue
             seen.add((a, op, b))
+            direct = cfg.style == "direct" or (cfg.style == "mixed" and rng.random() < 0.5)
             items.append(Item(prompt=f"{a}{op}{b}", answer=str(ops[op](a, b)),
-                              meta={"source": f"calculator problem {len(items)}"}))
+                              meta={"source": f"calculator problem {len(items)}"},
+                              fields={"demo": "direct" if direct else "tool"}))
         super().__init__(cfg, items=items, env=cfg.env or "unison.tasks.calculator:CalculatorEnv")
         self.train, self.eval = items[:cfg.train_size], items[cfg.train_size:]

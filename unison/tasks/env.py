@@ -479,6 +479,26 @@ def _rows(path: str) -> list[Item]:
                  meta={"source": f"{path}:{n}"}, fields=dict(r)) for r, n in zip(rows, lines)]
 
 
+def probe_task(spec: str, items: int = 8):
+    """``unison probe --task``: ``(task, its first items, task.max_episode_tokens)`` for a multi-turn task name
+    or a YAML config whose task is multi-turn."""
+    from unison.config import TaskConfig, load_config
+    from unison.tasks import make_task
+
+    if spec.endswith((".yaml", ".yml")):
+        tcfg = load_config(spec).task
+    elif spec in MULTI_TURN_TASKS[1:]:
+        tcfg = TaskConfig(name=spec, train_size=max(items, 16), eval_size=0)
+    else:
+        raise UnisonError(f"--task '{spec}' is not a multi-turn task: name {', '.join(MULTI_TURN_TASKS[1:])}, or give "
+                          f"a YAML config whose task section is multi-turn (task.name: env)")
+    if tcfg.name not in MULTI_TURN_TASKS:
+        raise UnisonError(f"--task {spec}: task.name is '{tcfg.name}', not a multi-turn task: the probe's --prompts "
+                          f"covers single-turn prompts")
+    task = make_task(tcfg)
+    return task, task.train[:items], tcfg.max_episode_tokens
+
+
 def describe(task: EnvTask, cfg) -> str:
     """The start-up line of a multi-turn run."""
     t = task.template
