@@ -124,6 +124,8 @@ def console_line(m: dict, total: int, eta: float) -> str:
             f"tok/s {f('throughput/tokens_per_s', '.0f')} ETA {int(eta // 60)}m{int(eta % 60):02d}s")
     if m.get("staleness/max"):
         line += f" stale {f('staleness/mean', '.1f')}"
+    if "rollout/turns_mean" in m:  # multi-turn episodes
+        line += f" turns {f('rollout/turns_mean', '.2f')} tools {f('rollout/tool_calls_mean', '.2f')}"
     if m.get("reward/error_count"):
         line += f" reward-errors {m['reward/error_count']}"
     if "eval/accuracy" in m:
