@@ -106,9 +106,11 @@ def test_the_learners_update_takes_the_gradient_of_the_models_tokens_only(tiny_d
         torch.testing.assert_close(g, want[n], rtol=1e-3, atol=1e-6)
     with_obs = hand(b.attention_mask.float() * (torch.arange(b.tokens.shape[1]) >= 3))
     assert any((with_obs[n] - g).abs().max() > 1e-5 for n, g in grads.items())
-    # the score pass gives log π on the model's tokens and exactly 0 on the observation
+    # the score pass gives log π on the model's tokens and exactly 0 on the observation; packed rows agree
     lp = learner.score(b)
     assert torch.all(lp[:, 6:9] == 0) and torch.all(lp[b.response_mask.bool()] < 0)
+    learner.packing = True
+    torch.testing.assert_close(learner.score(b), lp, rtol=0, atol=1e-5)
 
 
 # ----------------------------------------------------------------------- episodes, token in / token out
@@ -616,8 +618,20 @@ def test_episodes_run_in_the_async_worker_one_version_late(echo):
 
 
 @pytest.mark.slow
-def test_episodes_in_the_async_worker_are_deterministic(echo):
+def test_episodes_in_the_async_worker_are_deterministic_and_resume_with_batches_in_flight(echo):
+    from unison.data_io import read_metrics
+
     assert _comparable(_async_run(echo, "a")) == _comparable(_async_run(echo, "b"))
+    sets = ["rollout.max_staleness=1", "rollout.worker_threads=1", "checkpoint.every=2", "log.rollouts=true"]
+    _train(echo / "full", *sets, steps=4).fit()
+    _train(echo / "part", *sets, steps=2).fit()
+    _train(echo / "part", *sets, steps=4, resume=True).fit()
+    rows, full = read_metrics(echo / "part" / "metrics.jsonl"), read_metrics(echo / "full" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and _comparable(rows[:2]) == _comparable(full[:2])
+    items = lambda run, k: sorted(x["messages"][0]["content"] for x in  # noqa: E731
+                                  map(json.loads, (echo / run / "rollouts" / f"step_{k:06d}.jsonl").read_text().splitlines()))
+    assert items("part", 3) == items("full", 3)  # the job in flight at the checkpoint: regenerated, same items
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
 
 
 def test_dynamic_sampling_drops_uniform_groups_of_episodes(echo, monkeypatch):
