@@ -705,3 +705,21 @@ def test_the_readme_multi_turn_example_runs_as_written(tmp_path):
     readme = (root / "README.md").read_text()
     for f in ("env.py", "config.yaml"):  # the README's example is these files, verbatim
         assert (root / "examples/multi_turn" / f).read_text().strip() in readme, f
+
+
+def test_probe_task_reports_the_drift_of_a_re_tokenizing_loop(tmp_path, capsys):
+    from unison.cli import main
+
+    out = tmp_path / "p"
+    assert main(["probe", "--task", "calculator", "--precision", "fp32", "--n", "2", "--max-new-tokens", "12",
+                 "--out", str(out)]) == 0
+    (r,) = json.loads((out / "probe.json").read_text())["results"]
+    assert r["task"] == "calculator" and r["mismatch/k3"] < 1e-9 and r["rollout/turns_mean"] >= 1
+    for k in ("mismatch/retokenize_fraction", "mismatch/retokenize_k3", "mismatch/retokenize_token_fraction"):
+        assert 0 <= r[k] < float("inf"), k
+    assert "retok." in capsys.readouterr().out  # the drift columns in the table
+    for args, match in [(["--task", "arithmetic"], "--task 'arithmetic' is not a multi-turn task"),
+                        (["--task", "calculator", "--exact"], "--task runs episodes: drop --exact")]:
+        assert main(["probe", *args, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and match in err[0] and not (tmp_path / "bad").exists()
