@@ -58,9 +58,10 @@ class TaskConfig(_Section):
     #: builtin:sanity_math (Paper A's 1460), builtin:math500, builtin:aime2024, builtin:amc23;
     #: jsonl: rows with ``prompt`` (or ``problem``), optional ``answer``, any other fields;
     #: arithmetic: optional JSONL of ``prompt``/``answer`` rows that replaces the generated
-    #: train split (e.g. the perfectible set written by ``unison filter``)
+    #: train split (e.g. the perfectible set written by ``unison filter``); env: JSONL of the items
+    #: (any fields) the environment's ``reset(item)`` receives
     path: str | None = None
-    #: math, jsonl: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
+    #: math, jsonl, env: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
     eval_path: str | None = None
     #: math: prompt template (``{problem}``), printed at start; jsonl: an optional template over the
     #: row's fields (``{prompt}``, ...; the math default leaves jsonl prompts as written); both go

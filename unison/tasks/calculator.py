@@ -94,8 +94,9 @@ class CalculatorTask(EnvTask):
         lo, hi = (0, 9) if cfg.digits == 1 else (10 ** (cfg.digits - 1), 10**cfg.digits - 1)
         space = (hi - lo + 1) ** 2 * len(cfg.operators)
         if cfg.train_size + cfg.eval_size > space:
-            raise UnisonError(f"calculator with {cfg.digits} digit(s) and {''.join(cfg.operators)} has only {space} "
-                              f"distinct problems, fewer than task.train_size + task.eval_size: lower them or add digits")
+            raise UnisonError(f"calculator with {cfg.digits} digit(s) and {''.join(cfg.operators)} has only "
+                              f"{space} distinct problems, fewer than task.train_size + task.eval_size: lower them "
+                              f"or add digits")
         rng, seen, items = random.Random(cfg.seed), set(), []
         while len(items) < cfg.train_size + cfg.eval_size:
             a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(list(cfg.operators))
