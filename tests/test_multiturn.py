@@ -251,7 +251,7 @@ def test_the_parsers_read_every_supported_template_back(tiny_dir):
     assert parse_llama3_json("The answer is 42.") is None
     for bad, parse in [("<tool_call>{oops}</tool_call>", parse_hermes), ("<tool_call>{}", parse_hermes),
                        ('{"name": "f", "parameters": {}} trailing', parse_llama3_json), ("[f(1)]", parse_pythonic),
-                       ("[f(a=g())]", parse_pythonic), ('<tool_call>{"arguments": {}}</tool_call>', parse_hermes)]:
+                       ("[f(a=g())]", parse_pythonic), ("[f(a=1", parse_pythonic), ('<tool_call>{"arguments": {}}</tool_call>', parse_hermes)]:
         with pytest.raises(ToolCallError):
             parse(bad)
 
@@ -285,8 +285,18 @@ def test_turn_and_token_budgets_truncate_the_episode(tiny_dir):
     cfg, task, tok = _calc_task(tiny_dir, "task.max_episode_tokens=30")  # the call (22) fits, its result does not
     c = generate(Scripted(tok, _calc_reply), task.episodes(task.train[:1]), SamplingParams(n=1, max_tokens=40))[0]
     assert (c.finish_reason, c.episode.end) == ("length", "episode_tokens") and len(c.token_ids) <= 30
+    # a turn cut at the per-turn budget still reaches the environment (here: a wrong answer, the episode ends)
     c = generate(Scripted(tok, lambda t: "9" * 50), task.episodes(task.train[:1]), SamplingParams(n=1, max_tokens=8))[0]
-    assert (c.finish_reason, c.episode.end, len(c.token_ids)) == ("length", "turn_tokens", 8)
+    assert (c.finish_reason, c.episode.end, c.episode.cut_turns, c.episode.reward) == ("stop", "done", 1, 0.0)
+    assert c.token_ids == [tok.convert_tokens_to_ids("9")] * 8 and c.episode.messages[-1]["content"] == "9" * 8
+    # a cut tool call is answered like any unreadable one, then the template's whole closing follows it
+    cfg, task, tok = _calc_task(tiny_dir)
+    c = generate(Scripted(tok, lambda t: _calc_reply(t) if "</s>T:" in t else '[calc(expression="1234567890'),
+                 task.episodes(task.train[:1]), SamplingParams(n=1, max_tokens=12))[0]
+    ep = c.episode
+    assert (ep.cut_turns, ep.tool_errors, ep.turns) == (2, 1, 2) and ep.messages[2]["content"].startswith("error: ")
+    obs = c.token_ids[12:ep.segments[1][1]]
+    assert tok.decode(obs, skip_special_tokens=False).startswith("</s>T:error: ")  # closing + the tool's answer
 
 
 # ----------------------------------------------------------------------- runs: faults and bad input

@@ -163,12 +163,15 @@ def parse_llama3_json(text: str) -> list[ToolCall] | None:
 def parse_pythonic(text: str) -> list[ToolCall] | None:
     """``[name(arg=literal, ...), ...]`` as the whole message."""
     body = text.strip()
+    started = re.match(r"\[\s*[A-Za-z_]\w*\s*\(", body) is not None  # "[name(": a call was begun
     if not (body.startswith("[") and body.endswith("]")):
+        if started:
+            raise ToolCallError(f"the tool call is not closed with ')]': {body[:80]}")
         return None
     try:
         tree = ast.parse(body, mode="eval").body
     except SyntaxError as e:
-        if re.match(r"\[\s*[A-Za-z_]\w*\s*\(", body):
+        if started:
             raise ToolCallError(f"the tool call is not valid: {e.msg}: {body[:80]}") from None
         return None
     if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):

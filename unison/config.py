@@ -79,7 +79,7 @@ class TaskConfig(_Section):
     #: messages`` and ``step(text) -> (messages, reward or None, done)`` and optional ``tools`` (unison/tasks/env.py)
     env: str | None = None
     #: multi-turn tasks: model turns per episode at most (an episode still going after them is truncated);
-    #: each turn samples at most rollout.max_new_tokens
+    #: each turn samples at most rollout.max_new_tokens (a turn cut there still goes to the environment)
     max_turns: int = Field(4, ge=1)
     #: multi-turn tasks: tokens an episode may add after its first prompt, the model's and the environment's
     #: together (the sequence the learner trains on is at most first prompt + this); more truncates it

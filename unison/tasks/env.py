@@ -68,12 +68,15 @@ class EpisodeRecord:
     #: ``(start, end, "model" | "env")`` spans of ``Completion.token_ids``, in order
     segments: list[tuple[int, int, str]] = field(default_factory=list)
     turns: int = 0
+    #: model turns cut at rollout.max_new_tokens (the environment read them as they were)
+    cut_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
     reward: float | None = None
     #: why the episode failed (an environment or tool that raised): scored 0, counted
     error: str | None = None
-    #: done | max_turns | turn_tokens (a turn hit rollout.max_new_tokens) | episode_tokens | error
+    #: done | max_turns (still going after task.max_turns model turns) | episode_tokens (task.max_episode_tokens
+    #: reached) | error
     end: str = "done"
 
 
@@ -186,12 +189,15 @@ class _Episode:
                                                                      max(self.versions[1], last))
         self._append(toks, lps, model=True)
         self.record.turns += 1
-        if cut or c.finish_reason == "length" or not toks:
-            text = tok.decode(toks, skip_special_tokens=False)
-            self.record.messages.append({"role": "assistant", "content": text})
-            return self.finish("length", "episode_tokens" if cut else "turn_tokens")
-        text = tok.decode(toks[:-1], skip_special_tokens=False)  # the stop token is the template's closing
-        stop_text = tok.decode(toks[-1:], skip_special_tokens=False)
+        if cut or not toks:  # task.max_episode_tokens: nothing more fits
+            self.record.messages.append({"role": "assistant", "content": tok.decode(toks, skip_special_tokens=False)})
+            return self.finish("length", "episode_tokens")
+        if c.finish_reason == "length":  # cut at rollout.max_new_tokens: the environment still reads it, and the
+            text, stop_text = tok.decode(toks, skip_special_tokens=False), None  # template's whole closing follows
+            self.record.cut_turns += 1
+        else:
+            text = tok.decode(toks[:-1], skip_special_tokens=False)  # the stop token is the template's closing
+            stop_text = tok.decode(toks[-1:], skip_special_tokens=False)
         self.record.messages.append({"role": "assistant", "content": text})
         new = self._answer(text)
         if self.done:
@@ -306,11 +312,13 @@ class Episodes:
 
 def episode_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
     """``rollout/turns_mean`` (model turns per episode), ``rollout/tool_calls_mean``, ``rollout/tool_errors``
-    (tool calls that failed, this step), ``rollout/env_errors`` (episodes an environment or tool ended)."""
+    (tool calls that failed, this step), ``rollout/env_errors`` (episodes an environment or tool ended),
+    ``rollout/cut_turns_fraction`` (model turns cut at rollout.max_new_tokens)."""
     if not records:
         return {}
     n = len(records)
     return {"rollout/turns_mean": sum(r.turns for r in records) / n,
+            "rollout/cut_turns_fraction": sum(r.cut_turns for r in records) / max(sum(r.turns for r in records), 1),
             "rollout/tool_calls_mean": sum(r.tool_calls for r in records) / n,
             "rollout/tool_errors": sum(r.tool_errors for r in records),
             "rollout/env_errors": sum(r.error is not None for r in records)}
