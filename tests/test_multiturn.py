@@ -194,6 +194,43 @@ def test_an_episode_appends_the_sampled_ids_and_the_templates_ids_for_the_new_me
     assert b.group_ids.tolist() == [0, 0, 1, 1, 2, 2]  # n episodes per item: a GRPO group
 
 
+class Recording:
+    """Wraps an engine; keeps every call's prompts and the completions it returned."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, params):
+        out = self.engine.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], [list(c.token_ids) for c in out]))
+        return out
+
+
+def test_the_native_engines_turns_chain_token_in_token_out(echo):
+    """The real engine (the random tiny model, every turn told "again"): each turn's prompt is the previous
+    prompt + what the engine returned + the template's ids for the reply; the completion is exactly that."""
+    from unison.rollout import make_engine
+    from unison.tasks.env import EnvTask
+
+    cfg = load_config(None, RUN)
+    task = EnvTask(cfg.task)
+    from unison.models import builtin_model_dir
+
+    tok = load_tokenizer(builtin_model_dir("tiny"))
+    task.prepare(tok)
+    eng = Recording(make_engine("native", builtin_model_dir("tiny"), torch.float32))
+    comps = generate(eng, task.episodes(task.train[:2]), SamplingParams(n=2, max_tokens=8, seed=3))
+    assert len(eng.calls) == 3  # max_turns, all episodes live (the environment always asks again)
+    again = list(tok("U:again\nA:", add_special_tokens=False)["input_ids"])
+    for k, c in enumerate(comps):
+        want = list(eng.calls[0][0][k])
+        for turn, (prompts, outs) in enumerate(eng.calls):
+            assert prompts[k] == want  # sent exactly the ids built so far
+            want = want + outs[k] + (([] if outs[k][-1] == 2 else [2]) + again if turn < 2 else [])  # </s> closes
+        assert c.prompt_ids + c.token_ids == want
+        assert [x for x, m in zip(c.token_ids, c.mask) if m] == [t for _, outs in eng.calls for t in outs[k]]
+
+
 def test_each_turn_is_seeded_per_episode_whatever_the_batch(tiny_dir):
     """Episode j's turns use the same seeds alone or among others (the engines' batch invariance)."""
     cfg, task, tok = _calc_task(tiny_dir)
