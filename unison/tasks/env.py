@@ -15,8 +15,9 @@ Write a class with two methods (subclassing :class:`Env` is optional) and, if it
 ``task.env: module:Class`` finds ``module.py`` next to the config (as ``task.reward``). An episode:
 ``reset`` gives the first messages; the chat template renders them with the tools' schemas
 (unison/chat.py) and the rollout engine samples the model's turn. A turn that calls tools (in the
-template's own format) gets their results as ``tool`` messages; any other turn goes to ``step``.
-``done`` (or ``task.max_turns`` model turns, or a token budget) ends the episode; its reward is the
+template's own format) gets their results as ``tool`` messages; any other turn goes to ``step`` (a
+turn cut at ``rollout.max_new_tokens`` too, as sampled). ``done`` (or ``task.max_turns`` model turns, or
+``task.max_episode_tokens``: the episode is then truncated) ends the episode; its reward is the
 last one ``step`` gave, or ``task.reward`` called on the whole conversation as ``f(messages,
 item)`` when that is set. Rollouts are batched: every live episode's next turn is one
 ``engine.generate`` call.
