@@ -108,3 +108,21 @@ def test_colocated_vllm_under_torchrun_generates_what_one_process_does(tmp_path)
     a, b = read_metrics(tmp_path / "one/metrics.jsonl"), read_metrics(tmp_path / "two/metrics.jsonl")
     assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]  # per-prompt seeds: same samples
     assert all(r["mismatch/k3"] < 1e-9 for r in b)  # each rank's vLLM took the synced fp32 weights
+
+
+def test_episodes_through_a_colocated_vllm(tmp_path):
+    """A multi-turn task through the in-process vLLM (token-id prompts, turn by turn): μ equals the
+    learner's π on the model's tokens (fp32), the drift pass runs."""
+    from unison.config import load_config
+    from unison.trainer import Trainer, read_metrics
+
+    cfg = load_config(None, ["engine=vllm", "task.name=calculator", "task.train_size=24", "task.eval_size=4",
+                             "task.max_episode_tokens=96", "rollout.n=2", "rollout.max_new_tokens=24",
+                             "train.prompts_per_step=2", "train.steps=2", "mismatch.decompose_every=1",
+                             "log.console=false", "log.tensorboard=false"])
+    Trainer(cfg, tmp_path / "run").fit()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["mismatch/k3"] < 1e-6 and r["rollout/turns_mean"] >= 1
+        assert 0 <= r["mismatch/retokenize_fraction"] <= 1

@@ -149,3 +149,17 @@ def test_training_through_a_vllm_server_with_disk_sync(tmp_path, vllm_server, re
         assert r["mismatch/k3"] < 1e-9
     assert max(r["optim/grad_norm"] for r in rows) > 0  # the weights really moved
     assert [p.name for p in (tmp_path / "run" / "weight_sync").iterdir()] == ["v000003"]  # only the latest
+
+
+@pytest.mark.vllm
+def test_episodes_through_a_real_vllm_server(tmp_path, vllm_server, tiny_dir):
+    """A multi-turn task against `vllm serve`: each turn a token-id prompt (the previous ids + the sampled
+    ids + the template's ids for the new messages), μ equal to the learner's π on the model's tokens."""
+    cfg = load_config(None, [f"vllm.url={vllm_server}", "engine=vllm", "vllm.mode=server", "task.name=calculator",
+                             "task.train_size=24", "task.eval_size=4", "task.max_episode_tokens=96", "rollout.n=2",
+                             "rollout.max_new_tokens=24", "train.prompts_per_step=2", "train.steps=2",
+                             "log.console=false", "log.tensorboard=false"])
+    Trainer(cfg, tmp_path / "run").fit()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["mismatch/k3"] < 1e-6 and r["rollout/turns_mean"] >= 1 for r in rows)

@@ -26,7 +26,7 @@ class StubServer:
     def __init__(self, model_root: str, probe_tokens: list[int], vocab: int, *, frozen_probe: bool = False,
                  hang_after: int | None = None, fail_after: int | None = None, dev_mode: bool = True,
                  reload_delay: float = 0.0, server_info: dict | None = None, probe_frozen_after: int | None = None,
-                 completion_delay: float = 0.0, fail_reloads=(), pause_delay: float = 0.0):
+                 completion_delay: float = 0.0, fail_reloads=(), pause_delay: float = 0.0, script=None):
         self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
         self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
         self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: pause/resume and collective_rpc exist
@@ -41,6 +41,10 @@ class StubServer:
         self.server_info = server_info or {"vllm_config": {"model_config": {"quantization": None},
                                                            "weight_transfer_config": None}}
         self.pause_modes: list[str] = []
+        #: ``script(prompt_ids) -> token ids``: answer completions with these (finish "stop", log-prob −0.5 each)
+        #: instead of random tokens; every prompt served is kept in ``prompts``
+        self.script = script
+        self.prompts: list[list[int]] = []
         self.completions = 0
         self.reloads = 0
         self.calls: list[str] = []
@@ -128,6 +132,12 @@ class StubServer:
                     time.sleep(30)
                 if stub.fail_after is not None and count > stub.fail_after:
                     return self._send(503, {"detail": "engine dead"})
+                stub.prompts.append(list(prompt))
+                if stub.script is not None:
+                    toks = list(stub.script(list(prompt)))
+                    return self._send(200, {"choices": [{"index": i, "token_ids": toks, "finish_reason": "stop",
+                                                         "logprobs": {"token_logprobs": [-0.5] * len(toks)}}
+                                                        for i in range(body.get("n", 1))]})
                 aborts = stub.aborts
                 start = stub._run_unpaused(0.0)  # a request that arrives paused waits for /resume
                 stub._run_unpaused(stub.completion_delay)

@@ -4,7 +4,9 @@ Layout of :class:`RolloutBatch` (one row per response)::
 
     tokens         [B, L]  prompt + response, right-padded with pad_id
     attention_mask [B, L]  1 on prompt and response tokens, 0 on padding
-    response_mask  [B, L]  1 exactly on response tokens (EOS included when generated)
+    response_mask  [B, L]  1 exactly on the tokens the model sampled (EOS included when generated);
+                           a multi-turn episode's environment/tool tokens sit in the response span
+                           with 0 here, so every loss, metric and correction ignores them
     logp_mu        [B, L]  log μ(tokens[t] | tokens[<t]) from the rollout engine, 0 off-response
 
 Per-token tensors are aligned with ``tokens``: position ``t`` holds the
@@ -45,10 +47,23 @@ class Completion:
     #: top-p / top-k sampling: the size c of the support each token was drawn from (its c most probable
     #: tokens; 0 = the whole vocabulary), for sampling-mask replay; None when the engine did not record it
     support: list[int] | None = None
+    #: multi-turn episodes (unison/tasks/env.py): 1 where ``token_ids[i]`` was sampled by the model,
+    #: 0 where the environment or a tool put it there (log μ is 0 there and nothing scores it);
+    #: None = every token was sampled (a single-turn response)
+    mask: list[int] | None = None
+    #: multi-turn episodes: the :class:`unison.tasks.env.EpisodeRecord` (turns, messages, reward)
+    episode: object | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError("token_ids and logprobs must have the same length")
+        if self.mask is not None and len(self.mask) != len(self.token_ids):
+            raise ValueError("token_ids and mask must have the same length")
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the model sampled (the response length; a multi-turn episode's model tokens)."""
+        return len(self.token_ids) if self.mask is None else int(sum(self.mask))
 
 
 @dataclass
@@ -112,8 +127,9 @@ def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] 
         tokens[i, s:s + p] = torch.tensor(c.prompt_ids, dtype=torch.long)
         if r:
             tokens[i, s + p:s + p + r] = torch.tensor(c.token_ids, dtype=torch.long)
-            logp_mu[i, s + p:s + p + r] = torch.tensor(c.logprobs, dtype=torch.float32)
-            resp[i, s + p:s + p + r] = 1.0
+            m = torch.ones(r) if c.mask is None else torch.tensor(c.mask, dtype=torch.float32)
+            logp_mu[i, s + p:s + p + r] = torch.tensor(c.logprobs, dtype=torch.float32) * m
+            resp[i, s + p:s + p + r] = m
         attention[i, s:s + p + r] = 1
     extras = {}
     if any(c.routing is not None for c in completions):  # [B, L, layers, k], -1 where unknown
@@ -134,7 +150,7 @@ def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] 
     return RolloutBatch(
         tokens=tokens, attention_mask=attention, response_mask=resp, logp_mu=logp_mu, extras=extras,
         prompt_lens=torch.tensor([len(c.prompt_ids) for c in completions]),
-        response_lens=torch.tensor([len(c.token_ids) for c in completions]),
+        response_lens=torch.tensor([c.num_sampled for c in completions]),
         group_ids=torch.tensor([c.prompt_index for c in completions]),
         truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
         version=torch.tensor([c.versions[0] for c in completions]),

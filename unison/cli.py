@@ -84,6 +84,10 @@ def _add_probe(sub) -> None:
     p.add_argument("--ledger", action="store_true",
                    help="the mismatch ledger of every arm: where its mismatch comes from (decode vs prefill, engine vs "
                         "learner, quantization, truncation, routing), terms that add up to the total (docs/ledger.md)")
+    p.add_argument("--task", default=None,
+                   help="a multi-turn task (calculator, guess_number, or a YAML config with one): run its first 8 items "
+                        "as episodes (--max-new-tokens per turn) and add the tokenization drift of a loop that "
+                        "re-tokenizes the conversation (mismatch/retokenize_*)")
     p.add_argument("--out", default="runs/probe", help="output directory (default: runs/probe)")
     _add_threads(p)
     p.set_defaults(func=cmd_probe)
@@ -100,7 +104,7 @@ def cmd_probe(args) -> int:
                       param_dtypes=_csv(args.param_dtype), exact=args.exact,
                       quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
                       quantization_aware=args.quantization_aware, top_ps=_numbers(args.top_p, float, "--top-p"),
-                      top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger)
+                      top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger, task=args.task)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")

@@ -30,17 +30,22 @@ class TaskConfig(_Section):
     """Where prompts and rewards come from (see ``unison/tasks/``)."""
 
     #: arithmetic | scratchpad | math (JSONL problem/answer, math-verify) | jsonl (your prompts and your
-    #: reward function: README, "Bring your own task") | reasoning_gym
-    name: Literal["arithmetic", "scratchpad", "math", "jsonl", "reasoning_gym"] = "arithmetic"
-    #: arithmetic, scratchpad: number of digits of each operand
+    #: reward function: README, "Bring your own task") | reasoning_gym | env (multi-turn episodes with your
+    #: environment and tools: README, "Multi-turn environments and tools") | calculator (arithmetic solved with
+    #: a calc tool, multi-turn) | guess_number (guess a number from higher/lower replies, multi-turn)
+    name: Literal["arithmetic", "scratchpad", "math", "jsonl", "reasoning_gym", "env", "calculator",
+                  "guess_number"] = "arithmetic"
+    #: arithmetic, scratchpad, calculator: number of digits of each operand; guess_number: digits of the
+    #: secret (1..10^digits − 1)
     digits: int = Field(2, ge=1, le=9)
     #: scratchpad: operands of each chained sum (7: worked answers of 60–80 characters)
     operands: int = Field(7, ge=2, le=64)
-    #: scratchpad: what SFT demonstrates — full (the working), direct (the bare answer), mixed (half each)
+    #: scratchpad: what SFT demonstrates — full (the working), direct (the bare answer), mixed (half each);
+    #: calculator: full (the calc call, its result, the answer), direct (the answer alone), mixed (half each)
     style: Literal["full", "direct", "mixed"] = "full"
-    #: arithmetic: operators to draw from
+    #: arithmetic, calculator: operators to draw from
     operators: list[Literal["+", "-", "*"]] = ["+"]
-    #: arithmetic / reasoning_gym: problems in the training split
+    #: arithmetic / reasoning_gym / calculator / guess_number: problems in the training split
     train_size: int = Field(2000, ge=1)
     #: problems in the held-out eval split. arithmetic / reasoning_gym: generated beside the train
     #: split. math without ``eval_path``: min(eval_size, ⌊rows/10⌋) rows of ``path`` (seeded
@@ -54,9 +59,10 @@ class TaskConfig(_Section):
     #: builtin:sanity_math (Paper A's 1460), builtin:math500, builtin:aime2024, builtin:amc23;
     #: jsonl: rows with ``prompt`` (or ``problem``), optional ``answer``, any other fields;
     #: arithmetic: optional JSONL of ``prompt``/``answer`` rows that replaces the generated
-    #: train split (e.g. the perfectible set written by ``unison filter``)
+    #: train split (e.g. the perfectible set written by ``unison filter``); env: JSONL of the items
+    #: (any fields) the environment's ``reset(item)`` receives
     path: str | None = None
-    #: math, jsonl: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
+    #: math, jsonl, env: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
     eval_path: str | None = None
     #: math: prompt template (``{problem}``), printed at start; jsonl: an optional template over the
     #: row's fields (``{prompt}``, ...; the math default leaves jsonl prompts as written); both go
@@ -66,8 +72,25 @@ class TaskConfig(_Section):
     dataset: str | None = None
     #: custom reward ``module:function`` (``module.py`` next to the config file, or importable) or
     #: ``path/to/file.py:function``, called as ``f(response: str, item: Item) -> float``; replaces
-    #: the task's verifier (README, "Bring your own task")
+    #: the task's verifier (README, "Bring your own task"). Multi-turn tasks: called once per episode as
+    #: ``f(messages: list[dict], item) -> float`` on the whole conversation, instead of the environment's reward
     reward: str | None = None
+    #: env: the environment class ``module:Class`` (``module.py`` next to the config file, or importable) or
+    #: ``path/to/file.py:Class``; one instance per episode, created with no arguments, with ``reset(item) ->
+    #: messages`` and ``step(text) -> (messages, reward or None, done)`` and optional ``tools`` (unison/tasks/env.py)
+    env: str | None = None
+    #: multi-turn tasks: model turns per episode at most (an episode still going after them is truncated);
+    #: each turn samples at most rollout.max_new_tokens (a turn cut there still goes to the environment)
+    max_turns: int = Field(4, ge=1)
+    #: multi-turn tasks: tokens an episode may add after its first prompt, the model's and the environment's
+    #: together (the sequence the learner trains on is at most first prompt + this); more truncates it
+    max_episode_tokens: int = Field(512, ge=1)
+    #: multi-turn tasks: the chat template episodes are rendered with (unison/chat.py) — auto (the model's own;
+    #: unison's builtin:tiny when the tokenizer has none; builtin:chatml-tools when a ChatML model's template
+    #: ignores tools, as SmolLM2's) | model (the model's own, else refused) | builtin:tiny | builtin:chatml-tools |
+    #: a jinja file. It must be prefix-preserving (checked at start: Qwen3's, which drops earlier <think> blocks, is
+    #: refused)
+    chat_template: str = "auto"
     #: reward given to a response cut at max tokens, without calling the verifier or the custom reward
     #: (Paper A: 0; null: grade it too). Custom rewards keep 0: the run says so at start, and warns once
     #: when more than half of a step's responses were cut and scored this way
@@ -418,7 +441,9 @@ class LogConfig(_Section):
     #: print a line per step
     console: bool = True
     #: write every trained-on completion (prompt and response text, token ids, reward, finish
-    #: reason, Σ log μ) to rollouts/step_NNNNNN.jsonl — for reading samples and offline analysis
+    #: reason, Σ log μ) to rollouts/step_NNNNNN.jsonl — for reading samples and offline analysis;
+    #: multi-turn episodes also turn by turn (``turns``: whose tokens — the model's or the environment's —
+    #: each span holds) and as messages; the run's report.md then shows the newest step's episodes
     rollouts: bool = False
 
 
@@ -659,13 +684,17 @@ def resolve_paths(cfg: Config, config_dir: Path | None = None, from_cli: set[str
             setattr(node, name, str(Path(value).expanduser().resolve()))
         else:
             setattr(node, name, find(value, key))
-    spec = cfg.task.reward
-    if spec and ":" in spec:
-        module, fn = spec.rsplit(":", 1)
-        file = module if module.endswith(".py") else module.replace(".", "/") + ".py"
-        found = find(file, "task.reward")
-        if found != file or Path(file).is_absolute():
-            cfg.task.reward = f"{found}:{fn}"
+    for key in ("reward", "env"):  # module:name, its module.py found as a path is
+        spec = getattr(cfg.task, key)
+        if spec and ":" in spec:
+            module, fn = spec.rsplit(":", 1)
+            file = module if module.endswith(".py") else module.replace(".", "/") + ".py"
+            found = find(file, f"task.{key}")
+            if found != file or Path(file).is_absolute():
+                setattr(cfg.task, key, f"{found}:{fn}")
+    template = cfg.task.chat_template  # a jinja file (the other values name templates unison has)
+    if template not in ("auto", "model") and not template.startswith(BUILTIN):
+        cfg.task.chat_template = find(template, "task.chat_template")
     return cfg
 
 

@@ -39,12 +39,18 @@ def in_band(rate: float, band: tuple[float, float] | None) -> bool:
 def pass_rates(engine, task, reward, items, tokenizer, k: int, temperature: float, max_new_tokens: int,
                seed: int, chunk: int = 256) -> list[float]:
     """Fraction of ``k`` samples per item that the verifier accepts."""
+    from unison.rollout import generate
+
     rates = []
     params = SamplingParams(n=k, temperature=temperature, max_tokens=max_new_tokens, seed=seed)
     for s in range(0, len(items), chunk):
         part = items[s:s + chunk]
-        comps = engine.generate([task.encode(tokenizer, it) for it in part],
-                                SamplingParams(**{**params.__dict__, "seed": seed + s}))
+        if getattr(task, "multi_turn", False):  # episodes, turn by turn
+            task.prepare(tokenizer)
+            prompts = task.episodes(part)
+        else:
+            prompts = [task.encode(tokenizer, it) for it in part]
+        comps = generate(engine, prompts, SamplingParams(**{**params.__dict__, "seed": seed + s}))
         wins = [0.0] * len(part)
         for c, r in zip(comps, reward.score_completions(comps, part, tokenizer)):
             wins[c.prompt_index] += r

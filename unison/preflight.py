@@ -57,6 +57,11 @@ def check_device(device: str, flag: str = "device") -> None:
 
 
 def _check_exact_settings(cfg: Config) -> None:
+    from unison.tasks.env import is_multi_turn
+
+    if is_multi_turn(cfg):
+        raise UnisonError(f"exact mode fixes one prompt width and one response per row, and task '{cfg.task.name}' "
+                          f"is multi-turn (each turn's prompt grows): set exact=false")
     if cfg.engine != "native":
         raise UnisonError(f"exact mode needs the native engine (engine is '{cfg.engine}'): set engine=native "
                           f"or exact=false")
@@ -143,16 +148,18 @@ def check_data(cfg: Config, task, world_size: int) -> None:
 
 def check_context(cfg: Config, model_dir: Path, task, prompt_ids) -> None:
     from unison.models import model_config
+    from unison.tasks.env import is_multi_turn, tokens_after_prompt
 
     limit = getattr(model_config(model_dir), "max_position_embeddings", None)
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    need = len(prompt_ids[longest]) + cfg.rollout.max_new_tokens
+    need = len(prompt_ids[longest]) + tokens_after_prompt(cfg)
+    key = "task.max_episode_tokens" if is_multi_turn(cfg) else "rollout.max_new_tokens"
     if limit is not None and need > limit:
         where = task.train[longest].meta.get("source") or f"training prompt #{longest}"
         raise UnisonError(
             f"{where}: the prompt has {len(prompt_ids[longest])} tokens; with "
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} that exceeds the model's "
-            f"context of {limit}: lower rollout.max_new_tokens or drop long prompts")
+            f"{key}={tokens_after_prompt(cfg)} that exceeds the model's "
+            f"context of {limit}: lower {key} or drop long prompts")
 
 
 def exact_layout(cfg: Config, model_dir: Path, task, tokenizer, prompt_ids) -> tuple[int, int]:

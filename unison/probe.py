@@ -26,7 +26,7 @@ from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
 from unison.models import load_tokenizer, model_config, resolve_model_dir
 from unison.precision import Precision, parse_precision
 from unison.quant import check_format_available, parse_quantization
-from unison.rollout import SamplingParams, check_engine_available, make_engine, parse_engine
+from unison.rollout import SamplingParams, check_engine_available, generate, make_engine, parse_engine
 
 
 @dataclass
@@ -58,6 +58,10 @@ class ProbeConfig:
     top_ks: list[int] = field(default_factory=lambda: [0])
     #: the mismatch ledger of every arm (unison/ledger.py): decode, engine, quantization, truncation, routing
     ledger: bool = False
+    #: a multi-turn task (calculator, guess_number, or a YAML config with a multi-turn task section):
+    #: its first items are run as episodes instead of the prompts, and every row adds the tokenization
+    #: drift of a re-tokenizing loop (mismatch/retokenize_*, unison/retokenize.py)
+    task: str | None = None
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -98,6 +102,9 @@ class ProbeInputs:
     prompts: list[str]
     tokenizer: object
     prompt_ids: list[list[int]]
+    #: --task: the multi-turn task and the items its episodes start from
+    task: object = None
+    items: list = field(default_factory=list)
 
 
 def validate(cfg: ProbeConfig) -> ProbeInputs:
@@ -149,12 +156,29 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     if bad:
         raise UnisonError(f"--param-dtype '{bad[0]}' is invalid: choose fp32, compute or both (fp32,compute)")
     lines: list[int] = []
-    prompts = load_prompts(cfg.prompts, line_numbers=lines)
+    task, items = None, []
+    if cfg.task:
+        if cfg.exact or cfg.prompts:
+            raise UnisonError("--task runs episodes: drop --exact and --prompts")
+        from unison.tasks.env import probe_task
+
+        task, items, budget = probe_task(cfg.task)
+        prompts = [it.prompt for it in items]
+        lines = [i + 1 for i in range(len(items))]
+    else:
+        prompts = load_prompts(cfg.prompts, line_numbers=lines)
     model_dir = resolve_model_dir(cfg.model)
     limit = getattr(model_config(model_dir), "max_position_embeddings", None)
     tokenizer = load_tokenizer(model_dir)
-    prompt_ids = encode_prompts(tokenizer, prompts)
-    if limit is not None:
+    if task is not None:
+        task.prepare(tokenizer, cfg.model or "builtin:tiny")
+        prompt_ids = [task.encode(tokenizer, it) for it in items]
+        if limit is not None and max(map(len, prompt_ids)) + budget > limit:
+            raise UnisonError(f"--task {cfg.task}: a first prompt of {max(map(len, prompt_ids))} tokens plus "
+                              f"task.max_episode_tokens={budget} exceeds the model's context of {limit}: lower it")
+    else:
+        prompt_ids = encode_prompts(tokenizer, prompts)
+    if limit is not None and task is None:
         source = cfg.prompts if cfg.prompts is not None else "the built-in prompts"
         for ids, line in zip(prompt_ids, lines):
             if len(ids) + cfg.max_new_tokens > limit:
@@ -170,7 +194,7 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
         for q in quantizations:
             if q != "none":
                 check_targets(shell, q, cfg.quant_group_size)
-    return ProbeInputs(model_dir, precisions, engines, quantizations, prompts, tokenizer, prompt_ids)
+    return ProbeInputs(model_dir, precisions, engines, quantizations, prompts, tokenizer, prompt_ids, task, items)
 
 
 def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
@@ -235,7 +259,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
                 f"(max {cfg.max_new_tokens} new tokens)")
             t0 = time.perf_counter()
-            completions = engine.generate(prompt_ids, params)
+            completions = generate(engine, inputs.task.episodes(inputs.items) if inputs.task else prompt_ids, params)
             t_roll = time.perf_counter() - t0
             batch = collate(completions, pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
             rescored = engine.score(batch, params) if cfg.ledger and not exact else None  # the decode term
@@ -266,6 +290,12 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                 logp_pi = scorer.score(batch)
                 t_score = time.perf_counter() - t0
                 metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
+                if inputs.task is not None:  # episodes: their shape, and what re-tokenizing them would train on
+                    from unison.retokenize import retokenize_metrics
+                    from unison.tasks.env import episode_metrics
+
+                    metrics.update(episode_metrics([c.episode for c in completions]))
+                    metrics.update(retokenize_metrics(scorer, completions, inputs.task.template, pad_id))
                 if scorer.moe and "routing" in batch.extras:  # MoE: routing flips, and replaying them
                     metrics["mismatch/router_disagreement"] = moe.disagreement(
                         batch.extras["routing"], scorer.last_routing, mask)
@@ -281,6 +311,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             seq_lr = seq_log_ratio(logp_pi, batch.logp_mu, mask)
             lengths = batch.response_lens
             results.append({
+                **({"task": cfg.task} if cfg.task else {}),
                 "engine": engine_name,
                 "precision": prec.label,
                 "quantization": quant,
@@ -406,6 +437,9 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
              ("max |π−μ|", "mismatch/prob_diff_max"), ("slope/1K", "seq_log_ratio_slope_per_1k")]
     if quantized:  # what a correction would do: token TIS/MIS clip fraction, seq-MIS drop fraction
         cols += [("ρ∉[½,2]", "mismatch/token_rho_outside_fraction"), ("seq ρ>10", "mismatch/seq_rho_over_c_fraction")]
+    if any("mismatch/retokenize_k3" in r for r in results):  # --task: episodes and the re-tokenizing loop's drift
+        cols += [("turns", "rollout/turns_mean"), ("retok. turns", "mismatch/retokenize_fraction"),
+                 ("k3 if re-tokenized", "mismatch/retokenize_k3")]
     if any("mismatch/router_disagreement" in r for r in results):  # MoE
         cols += [("router disagr.", "mismatch/router_disagreement"), ("k3 (replay)", "mismatch/k3_routing_replay")]
     for name, _ in cols:

@@ -161,6 +161,37 @@ def rich_table(summaries: list[dict], title: str = "runs compared: one row per r
     return t
 
 
+def episodes_section(run_dir: Path, arm: str, show: int = 2) -> list[str]:
+    """Multi-turn runs with ``log.rollouts``: the newest logged step's first episodes, turn by turn —
+    ``[model]`` the tokens the model sampled (trained on), ``[env]`` what the environment's messages
+    appended (context only)."""
+    logs = sorted((Path(run_dir) / "rollouts").glob("step_*.jsonl"))
+    if not logs:
+        return []
+    try:
+        rows = [json.loads(x) for x in logs[-1].read_text(encoding="utf-8").splitlines() if x.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    rows = sorted((r for r in rows if "turns" in r), key=lambda r: -len(r["turns"]))[:show]  # the longest
+    if not rows:
+        return []
+    step = int(logs[-1].stem.split("_")[-1])
+    out = ["", f"## Episodes (step {step}, turn by turn) — {arm}", "",
+           "`[model]`: tokens the model sampled (log μ, trained on); `[env]`: tokens the environment's messages "
+           "appended (context, no gradient).", ""]
+    for r in rows:
+        out += [f"Episode (group {r['group']}, sample {r['sample']}): reward {r['reward']:.3g}, {r['model_turns']} "
+                f"model turns, {r['tool_calls']} tool calls ({r['tool_errors']} failed), ended: {r['ended']}"
+                + (f" ({r['error']})" if r.get("error") else ""), "", "```", f"[prompt] {r['prompt_text']!r}"]
+        for t in r["turns"]:
+            extra = f"  Σ log μ {t['logp_mu_sum']:.2f}" if "logp_mu_sum" in t else ""
+            out.append(f"[{t['by']}] {t['text']!r}  ({len(t['token_ids'])} tokens{extra})")
+        out += ["```", ""]
+    return out
+
+
+
+
 # ------------------------------------------------------------------ paired comparison by seed
 #: Student's t, 97.5% quantile, for 1..30 degrees of freedom (two-sided 95% intervals)
 _T975 = [12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
@@ -312,6 +343,8 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
                   "than two means ± sd.", "", paired_markdown(paired, baseline), ""]
     for p in plots:
         lines.append(f"![{p.stem}]({os.path.relpath(p, out_dir)})")
+    for d, s in zip(run_dirs, summaries):
+        lines += episodes_section(d, s["arm"])
     lines.append("")
     lines.append("Runs: " + ", ".join(f"`{s['run']}`" for s in summaries))
     atomic_write_text(out_dir / "report.md", "\n".join(lines) + "\n")

@@ -78,7 +78,7 @@ class RunLog:
                  "prompt": tokenizer.decode(c.prompt_ids, skip_special_tokens=True),
                  "response": tokenizer.decode(c.token_ids, skip_special_tokens=True), "reward": r,
                  "finish_reason": c.finish_reason, "token_ids": c.token_ids, "version": c.versions[0],
-                 "logp_mu_sum": float(sum(c.logprobs))} for c, r in zip(comps, rewards)]
+                 "logp_mu_sum": float(sum(c.logprobs)), **_episode(c, tokenizer)} for c, r in zip(comps, rewards)]
         atomic_write_text(self.run_dir / "rollouts" / f"step_{step:06d}.jsonl",
                           "".join(json.dumps(r) + "\n" for r in rows))
 
@@ -87,6 +87,20 @@ class RunLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _episode(c, tokenizer) -> dict:
+    """A multi-turn episode turn by turn: which tokens the model sampled (``by: model``, with Σ log μ)
+    and which the environment's messages put there (``by: env``), and the conversation as messages."""
+    ep = c.episode
+    if ep is None:
+        return {}
+    turns = [{"by": kind, "text": tokenizer.decode(c.token_ids[a:b], skip_special_tokens=False),
+              "token_ids": c.token_ids[a:b], **({"logp_mu_sum": float(sum(c.logprobs[a:b]))} if kind == "model" else {})}
+             for a, b, kind in ep.segments]
+    return {"prompt_text": tokenizer.decode(c.prompt_ids, skip_special_tokens=False), "turns": turns,
+            "messages": ep.messages, "model_turns": ep.turns, "tool_calls": ep.tool_calls,
+            "tool_errors": ep.tool_errors, "ended": ep.end, "error": ep.error}
 
 
 def memory_metrics(device: torch.device) -> dict:
@@ -115,6 +129,8 @@ def console_line(m: dict, total: int, eta: float) -> str:
             f"tok/s {f('throughput/tokens_per_s', '.0f')} ETA {int(eta // 60)}m{int(eta % 60):02d}s")
     if m.get("staleness/max"):
         line += f" stale {f('staleness/mean', '.1f')}"
+    if "rollout/turns_mean" in m:  # multi-turn episodes
+        line += f" turns {f('rollout/turns_mean', '.2f')} tools {f('rollout/tool_calls_mean', '.2f')}"
     if m.get("reward/error_count"):
         line += f" reward-errors {m['reward/error_count']}"
     if "eval/accuracy" in m:

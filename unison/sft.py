@@ -25,24 +25,34 @@ from unison.tasks import make_reward, make_task
 
 
 def _examples(task, tokenizer):
+    """``(ids, target mask)`` per training item: prompt -> answer + EOS (loss on the answer), or a
+    multi-turn demonstration (loss on the model's turns only, built token in / token out)."""
+    if getattr(task, "multi_turn", False):
+        out = [task.demonstration_ids(tokenizer, item) for item in task.train]
+        if any(x is None for x in out):
+            from unison.errors import UnisonError
+
+            raise UnisonError(f"environment {task.env} has no demonstration(item) for unison sft: add a static "
+                              f"method that returns the turns after reset (unison/tasks/env.py)")
+        return out
     eos = tokenizer.eos_token_id
     out = []
     for item in task.train:
         p = task.encode(tokenizer, item)
         a = list(tokenizer(task.demonstration(item), add_special_tokens=False)["input_ids"]) + [eos]
-        out.append((p, a))
+        out.append((p + a, [0] * len(p) + [1] * len(a)))
     return out
 
 
 def _batch(examples, pad_id):
-    L = max(len(p) + len(a) for p, a in examples)
+    L = max(len(ids) for ids, _ in examples)
     tokens = torch.full((len(examples), L), pad_id, dtype=torch.long)
     attn = torch.zeros_like(tokens)
     target = torch.zeros(tokens.shape)
-    for i, (p, a) in enumerate(examples):
-        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
-        attn[i, :len(p) + len(a)] = 1
-        target[i, len(p):len(p) + len(a)] = 1
+    for i, (ids, mask) in enumerate(examples):
+        tokens[i, :len(ids)] = torch.tensor(ids)
+        attn[i, :len(ids)] = 1
+        target[i, :len(ids)] = torch.tensor(mask, dtype=torch.float32)
     return tokens, attn, target
 
 
@@ -64,6 +74,8 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
     reward = make_reward(task, cfg.task)
     tokenizer = load_tokenizer(model_dir)
     setup(cfg.threads, model_dir=model_dir, log=lambda m: log(f"[sft] {m}"))  # after the checks: errors stay one line
+    if getattr(task, "multi_turn", False):
+        task.prepare(tokenizer, cfg.model)
     model = load_model(model_dir, torch.float32, cfg.device)
     model.train()
     examples = _examples(task, tokenizer)

@@ -55,6 +55,7 @@ from unison.runlog import RunLog, console_line, memory_metrics, plural
 from unison.schedules import GradNoiseTracker, make_schedule
 from unison.tasks import make_reward, make_task
 from unison.threads import setup as setup_threads
+from unison.tasks.env import episode_metrics, model_token_budget, tokens_after_prompt, with_model_tokens
 
 CKPT_PREFIX = ckpt.PREFIX
 
@@ -89,10 +90,12 @@ class Trainer:
         self.task = make_task(cfg.task, evaluate=bool(cfg.train.eval_every))
         self.reward = make_reward(self.task, cfg.task)
         self.tokenizer = load_tokenizer(model_dir)
+        if getattr(self.task, "multi_turn", False):  # the chat template, checked (one-line refusals)
+            self.task.prepare(self.tokenizer, cfg.model)
         self.prompt_ids = [self.task.encode(self.tokenizer, it) for it in self.task.train]
         preflight.check_data(cfg, self.task, self.dist.world_size)
         preflight.check_context(cfg, model_dir, self.task, self.prompt_ids)
-        self._max_len = max(len(p) for p in self.prompt_ids) + cfg.rollout.max_new_tokens
+        self._max_len = max(len(p) for p in self.prompt_ids) + tokens_after_prompt(cfg)
         preflight_engine(cfg.engine, model_dir, self._max_len)
         self.layout = preflight.exact_layout(cfg, model_dir, self.task, self.tokenizer, self.prompt_ids) \
             if cfg.exact else None
@@ -101,6 +104,7 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         self.learner = Learner.from_config(cfg, model_dir, self.dist)
+        self.learner.max_new_tokens = model_token_budget(cfg)  # Dr.GRPO's normaliser: an episode's model tokens
         self.source = make_source(cfg, partial(self._make_engine, model_dir), self.task, self.reward,
                                   self.tokenizer, self.prompt_ids, self.dist, self.learner, model_dir,
                                   self.prec.rollout_dtype)
@@ -145,6 +149,10 @@ class Trainer:
             self.log(f"[train] WARNING {warning}")
         if self.learner.packing_note:
             self.log(f"[train] train.packing: {self.learner.packing_note}")
+        if getattr(self.task, "multi_turn", False):
+            from unison.tasks.env import describe
+
+            self.log(describe(self.task, cfg))
         ahead = f", engine up to {plural(r.max_staleness, 'version')} ahead ({r.stale_policy})" if r.max_staleness else ""
         if r.max_staleness and cfg.mismatch.decompose_every and not self.learner.can_score_other_weights:
             self.log("[train] the split of the mismatch into numerics and staleness scores with older weights in one "
@@ -200,6 +208,7 @@ class Trainer:
         t_step = time.perf_counter()
         roll = self.source.next(step)                                  # 1. μ's samples and their rewards
         metrics = self._rollout_metrics(step, roll)
+        roll.completions, roll.rewards = with_model_tokens(roll.completions, roll.rewards)
         if not roll.completions:
             return self._no_update(metrics, roll, t_step)
         if cfg.log.rollouts:
@@ -210,6 +219,7 @@ class Trainer:
         t0 = time.perf_counter()
         old = self._old_logp(batch, step)                              # 3. which log π is π_old
         t_score = time.perf_counter() - t0
+        metrics.update(self._retokenize(roll.completions, step))      #    (multi-turn: with π_old's weights)
         if batch.logp_old is not None:                                 # 4. correction weights, once
             weights, cmetrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)
         else:                                                          #    or per micro-batch of π_old
@@ -251,12 +261,25 @@ class Trainer:
                    "reward/error_count": roll.reward_errors, "reward/calls": roll.reward_calls,
                    "reward/error_fraction": roll.reward_errors / max(roll.reward_calls, 1),
                    "staleness/dropped": roll.stale_dropped, **roll.timings}
+        metrics.update(episode_metrics(roll.episodes))
         self._check_reward_errors(metrics, roll)
         self._check_truncation(metrics, roll)
         return metrics
 
+    def _retokenize(self, completions, step: int) -> dict:
+        """Multi-turn, every ``mismatch.decompose_every`` steps: the mismatch a framework that decodes and
+        re-tokenizes the conversation would train with (unison/retokenize.py)."""
+        every = self.cfg.mismatch.decompose_every
+        if not getattr(self.task, "multi_turn", False) or not every or (step + 1) % every:
+            return {}
+        from unison.retokenize import retokenize_metrics
+
+        return retokenize_metrics(self.learner, completions, self.task.template, self.source.pad_id)
+
     def _no_update(self, metrics: dict, roll, t_step: float) -> dict:
-        why = "every sample was too stale" if roll.stale_dropped else "every group had uniform rewards"
+        why = "every sample was too stale" if roll.stale_dropped else \
+            "no episode got to a model turn" if roll.episodes and not roll.dropped_groups else \
+            "every group had uniform rewards"
         self.log(f"[train] step {metrics['step']}: {why}; no update")
         metrics["reward/trained_mean"] = float("nan")
         self._watch_signal(metrics, None)
@@ -376,7 +399,9 @@ class Trainer:
             saved = ckpt.complete(self.run_dir / "checkpoints")
             then = (f"continue with --resume from the last checkpoint ({saved[-1].name})" if saved else
                     "rerun with --resume: no checkpoint was saved yet, so it starts again from step 0")
-            raise UnisonError(f"every call of the reward function {fn} raised for {self.failed_reward_steps} "
+            what = f"every call of the reward function {fn} raised" if t.reward or not getattr(self.task, "env", None) \
+                else f"every episode of the environment {self.task.env} failed"
+            raise UnisonError(f"{what} for {self.failed_reward_steps} "
                               f"consecutive step{'s' if self.failed_reward_steps != 1 else ''} (last: "
                               f"{roll.last_error}): fix it and {then}")
 

@@ -52,6 +52,13 @@ def preflight_engine(name: str, model_dir, total_len: int) -> None:
         check_request(model_config(model_dir), total_len, 0)
 
 
+def generate(engine, prompts, params: SamplingParams) -> list:
+    """``engine.generate(prompts, params)`` for token-id prompts; a batch of multi-turn episodes
+    (:class:`unison.tasks.env.Episodes`, anything with ``run``) drives the engine turn by turn instead."""
+    run = getattr(prompts, "run", None)
+    return run(engine, params) if run is not None else engine.generate(prompts, params)
+
+
 def parse_engine(name: str) -> str:
     key = str(name).strip().lower()
     if key not in ENGINES:
@@ -59,4 +66,4 @@ def parse_engine(name: str) -> str:
     return key
 
 
-__all__ = ["RolloutEngine", "SamplingParams", "make_engine", "parse_engine", "preflight_engine", "ENGINES"]
+__all__ = ["RolloutEngine", "SamplingParams", "generate", "make_engine", "parse_engine", "preflight_engine", "ENGINES"]

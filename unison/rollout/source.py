@@ -101,6 +101,8 @@ class Rollout:
     #: samples dropped because they were more than K versions old (stale_policy drop)
     stale_dropped: int = 0
     timings: dict = field(default_factory=dict)
+    #: multi-turn tasks: the record of every episode sampled (unison/tasks/env.py), for rollout/* metrics
+    episodes: list = field(default_factory=list)
 
 
 class RolloutSource:
@@ -138,6 +140,7 @@ class RolloutSource:
             parts = self._gather((comps, rw, self.reward.calls - calls, self.reward.errors - errors,
                                   self.reward.last_error))
             comps = [c for p in parts for c in p[0]]
+            out.episodes += [c.episode for c in comps if c.episode is not None]
             rw = [x for p in parts for x in p[1]]
             out.reward_calls += sum(p[2] for p in parts)
             out.reward_errors += sum(p[3] for p in parts)
@@ -186,7 +189,9 @@ class RolloutSource:
 
     def generate(self, prompts, params):
         """Generate outside the training batches (evaluation), with the newest weights."""
-        return self.engine.generate(prompts, params)
+        from unison.rollout import generate
+
+        return generate(self.engine, prompts, params)
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory for the update (a colocated vLLM with sleep mode)."""
@@ -213,12 +218,16 @@ class RolloutSource:
 
     def _my_prompts(self, job: Job) -> list[list[int]]:
         lo, hi = self._share(self.cfg.train.prompts_per_step)
+        if getattr(self.task, "multi_turn", False):  # episodes: run where the engine runs, turn by turn
+            return self.task.episodes([self.task.train[i] for i in job.prompts[lo:hi]])
         return [self.prompt_ids[i] for i in job.prompts[lo:hi]]
 
     def _generate(self, job: Job):
         """``(completions of this replica's share, generating seconds, engine idle seconds)``."""
+        from unison.rollout import generate
+
         t0 = time.perf_counter()
-        comps = self.engine.generate(self._my_prompts(job), self._params(job))
+        comps = generate(self.engine, self._my_prompts(job), self._params(job))
         for c in comps:
             c.versions = (job.step, job.step)
         return comps, time.perf_counter() - t0, 0.0
@@ -490,8 +499,10 @@ class ServerBackend:
         self._raise()
 
         def gen():
+            from unison.rollout import generate
+
             t0 = time.perf_counter()
-            comps = self.engine.generate(prompts, params)
+            comps = generate(self.engine, prompts, params)
             with self._cv:
                 self._done[job] = (comps, None, time.perf_counter() - t0, 0.0)
                 self._cv.notify_all()

@@ -255,6 +255,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
     threading.Thread(target=_serve_commands, args=(cmds.fileno(), inbox), daemon=True,
                      name="unison-worker-commands").start()
     try:
+        from unison.rollout import generate
         from unison.rollout.native import NativeEngine
 
         engine = NativeEngine(spec.model_dir, dtype=spec.dtype, device=spec.device,
@@ -283,7 +284,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
             idle += time.perf_counter() - t0
             loaded = _load(engine, ring, version, loaded)
             t1 = time.perf_counter()
-            comps = engine.generate(prompts, params)
+            comps = generate(engine, prompts, params)  # multi-turn episodes run here, turn by turn
             for c in comps:
                 c.versions = (loaded, loaded)
             out.put(("done", job, comps, loaded, time.perf_counter() - t1, idle))

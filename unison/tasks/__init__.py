@@ -71,6 +71,7 @@ class RewardFn:
 
     def __init__(self, task: Task, custom: Callable | None = None, truncated_reward: float | None = 0.0):
         self.task = task
+        self.custom = custom
         self.fn = custom or task.score
         self.truncated_reward = truncated_reward
         #: verifier calls made and calls that raised (cumulative; truncated responses scored with
@@ -93,16 +94,41 @@ class RewardFn:
     def score_completions(self, completions, items: list[Item], tokenizer) -> list[float]:
         """Reward of each completion against ``items[c.prompt_index]`` (text decoded
         without special tokens; finished by max tokens counts as truncated)."""
-        return [self(tokenizer.decode(c.token_ids, skip_special_tokens=True), items[c.prompt_index],
+        return [self.score_episode(c, items[c.prompt_index]) if c.episode is not None else
+                self(tokenizer.decode(c.token_ids, skip_special_tokens=True), items[c.prompt_index],
                      c.finish_reason == "length") for c in completions]
 
+    def score_episode(self, c, item: Item) -> float:
+        """A multi-turn episode (unison/tasks/env.py): one that an environment or tool ended by raising
+        scores 0 and counts as a call that raised; a truncated one scores ``truncated_reward``; else
+        ``task.reward(messages, item)`` when set, or the reward the environment gave."""
+        ep, truncated = c.episode, c.finish_reason == "length"
+        if ep.error is not None:
+            self.calls += 1
+            self.errors += 1
+            self.last_error = ep.error[:200]
+            return 0.0
+        if self.custom is not None:
+            return self(ep.messages, item, truncated)
+        if truncated and self.truncated_reward is not None:
+            return float(self.truncated_reward)
+        if ep.reward is not None:
+            self.calls += 1
+            return float(ep.reward)
+        if truncated:  # nothing graded it: no reward from the environment, no task.reward
+            return 0.0
+        return self(ep.messages, item, False)  # the task's score: says that nothing gives a reward
 
-def load_callable(spec: str) -> Callable:
+
+def load_callable(spec: str, what: str = "reward") -> Callable:
     """``module:function`` or ``path/to/file.py:function`` -> the function (UnisonError naming
-    what is missing). A config's ``module:function`` whose ``module.py`` sits next to the config
-    file is turned into the file's path when the config is read (unison/config.py)."""
+    what is missing); ``what`` names it in errors (``environment``: ``module:Class``). A config's
+    ``module:function`` whose ``module.py`` sits next to the config file is turned into the file's
+    path when the config is read (unison/config.py)."""
+    kind = "Class" if what == "environment" else "function"
     if ":" not in spec:
-        raise UnisonError(f"reward '{spec}' is not module:function: write e.g. my_rewards:exact_match")
+        example = "my_env:MyEnv" if what == "environment" else "my_rewards:exact_match"
+        raise UnisonError(f"{what} '{spec}' is not module:{kind}: write e.g. {example}")
     mod_name, fn_name = spec.rsplit(":", 1)
     try:
         if mod_name.endswith(".py"):
@@ -111,19 +137,20 @@ def load_callable(spec: str) -> Callable:
             mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name is not None and mod_name != e.name and not mod_name.startswith(e.name + "."):
-            raise UnisonError(f"reward module '{mod_name}' does not import: it needs '{e.name}', "
+            raise UnisonError(f"{what} module '{mod_name}' does not import: it needs '{e.name}', "
                               f"which is not installed") from e
-        raise UnisonError(f"cannot import reward module '{mod_name}' ({e}): put {mod_name.split('.')[0]}.py next to "
-                          f"the config file, give its path (task.reward=path/to/file.py:function), or put it on "
+        key = "env" if what == "environment" else "reward"
+        raise UnisonError(f"cannot import {what} module '{mod_name}' ({e}): put {mod_name.split('.')[0]}.py next to "
+                          f"the config file, give its path (task.{key}=path/to/file.py:{kind}), or put it on "
                           f"PYTHONPATH") from e
     except Exception as e:  # noqa: BLE001 - a SyntaxError or a raising module body is the user's
         where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) else ""
         msg = str(e).splitlines()[0][:160] if str(e) else ""
-        raise UnisonError(f"reward module '{mod_name}' does not import{where}: {type(e).__name__}: "
+        raise UnisonError(f"{what} module '{mod_name}' does not import{where}: {type(e).__name__}: "
                           f"{msg}; fix the module") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        raise UnisonError(f"reward '{spec}': module '{mod_name}' has no function '{fn_name}'")
+        raise UnisonError(f"{what} '{spec}': module '{mod_name}' has no {kind.lower()} '{fn_name}'")
     return fn
 
 
@@ -187,7 +214,20 @@ def make_task(cfg, evaluate: bool = True) -> Task:
                               "name a reasoning-gym dataset, e.g. basic_arithmetic")
         return ReasoningGymTask(cfg.dataset, train_size=cfg.train_size, eval_size=cfg.eval_size,
                                 seed=cfg.seed)
-    raise UnisonError(f"unknown task '{cfg.name}': choose arithmetic, scratchpad, math, jsonl or reasoning_gym")
+    if cfg.name == "env":
+        from unison.tasks.env import EnvTask
+
+        return EnvTask(cfg)
+    if cfg.name == "calculator":
+        from unison.tasks.calculator import CalculatorTask
+
+        return CalculatorTask(cfg)
+    if cfg.name == "guess_number":
+        from unison.tasks.guess import GuessNumberTask
+
+        return GuessNumberTask(cfg)
+    raise UnisonError(f"unknown task '{cfg.name}': choose arithmetic, scratchpad, math, jsonl, reasoning_gym, env, "
+                      f"calculator or guess_number")
 
 
 def make_reward(task: Task, cfg) -> RewardFn:
