@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model  # noqa: E402 - a sibling module (python benchmarks/...)
+
 import torch
 
 from unison.models import load_model, resolve_model_dir
@@ -205,21 +207,11 @@ def main() -> None:
         results.append(row)
     update = update_flops(model_dir, args.batch, args.max_new_tokens, args.update_steps, peak) \
         if args.update_steps else None
-    print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir), "cpu": _cpu(),
+    print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir), "cpu": cpu_model(),
                       "threads": torch.get_num_threads(),
                       "machine": {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
                                   "bandwidth_copy_mib": args.bandwidth_mib, "matmul_size": args.matmul_size},
                       "results": results, **({"update_fp32": update} if update else {})}, indent=2))
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

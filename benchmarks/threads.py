@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model  # noqa: E402 - a sibling module (python benchmarks/...)
+
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"1": {"threads": "1"}, "2": {"threads": "2"}, "auto": {"threads": None},
         "2-spin": {"threads": "2", "env": {"GOMP_SPINCOUNT": "300000"}}}
@@ -222,7 +224,7 @@ def main() -> None:
     from unison.threads import usable_cores
 
     print(json.dumps({
-        "benchmark": "threads", "cpu": _cpu(), "cores": usable_cores()[0], "quick": args.quick,
+        "benchmark": "threads", "cpu": cpu_model(), "cores": usable_cores()[0], "quick": args.quick,
         "settings": {"workloads": args.workloads, "arms": arms, "steps": args.steps, "sft_steps": args.sft_steps,
                      "smollm2": {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens},
                      "competitor": args.competitor, "conditions": conditions},
@@ -231,18 +233,6 @@ def main() -> None:
     }, indent=2))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

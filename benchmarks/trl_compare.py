@@ -55,6 +55,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from machine import cpu_model  # noqa: E402 - a sibling module (python benchmarks/...)
+
 INSTALL = ("pip install --no-deps --target /tmp/trlpkgs trl==1.16.0 datasets==5.2.0 pandas==3.1.1 "
            "pyarrow==26.0.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -173,18 +175,6 @@ def summarize(r: dict) -> dict:
             "mean_response_tokens": round(statistics.mean(lengths), 1) if lengths else None,
             "peak_rss_gib": round(r["peak_rss_gib"], 2), "torch_threads": r["torch_threads"],
             **({"phases_s": r["phases"][1:]} if "phases" in r else {})}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 def version(dist: str) -> str | None:

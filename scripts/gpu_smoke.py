@@ -180,6 +180,7 @@ APIS: dict[str, tuple[str, ...]] = {
     "transformers.integrations.sdpa_attention:sdpa_attention_forward": (),
     "transformers.utils.logging:set_verbosity_error": (),
     "transformers.utils.logging:disable_progress_bar": (),
+    "transformers.utils:get_json_schema": (),  # tools given as Python functions (unison/chat.py)
 }
 
 
