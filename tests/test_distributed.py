@@ -86,10 +86,18 @@ def test_two_ranks_equal_one_process_in_fp32(env, tmp_path, packing, qat):
     a, b = read_metrics(tmp_path / "one/metrics.jsonl"), read_metrics(tmp_path / "two/metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3]
     assert _tokens(tmp_path / "one") == _tokens(tmp_path / "two")  # identical samples, every step
+    # quantization-aware: the forward rounds every weight to an int4 step, so once the two runs' fp32 masters
+    # differ by an ulp (FSDP's reduction order, from step 1's update on) a weight on a rounding boundary lands
+    # in the next bin and moves the forward by a whole step. Measured (AMD EPYC): steps 1-2 at fp32 agreement,
+    # step 3 entropy 5e-5 relative apart, grad norm 9e-4, weights 1.5e-4. Step 1 (same weights in) is held to
+    # fp32 agreement; later steps, where a flip can come first on another CPU, to 1e-2.
     for ra, rb in zip(a, b):
+        rel = 1e-2 if qat and ra["step"] >= 2 else 1e-5
         assert ra["reward/mean"] == rb["reward/mean"] and ra["response_length/mean"] == rb["response_length/mean"]
         for k in ("optim/grad_norm", "policy/entropy", "policy/clip_fraction"):
-            assert rb[k] == pytest.approx(ra[k], rel=1e-5), k
+            assert rb[k] == pytest.approx(ra[k], rel=rel), (k, ra["step"])
+        if rel > 1e-5:
+            continue
         # ppo_kl is k1, mean(log π_old − log π_θ): a difference of log-probs ~−2 that differ by ~1e-2, so
         # fp32 rounding of each (~1e-7) is ~1e-5 of it (measured on a busy CI machine: 1.8e-5 relative)
         assert rb["policy/ppo_kl"] == pytest.approx(ra["policy/ppo_kl"], rel=1e-5, abs=1e-6)
@@ -103,7 +111,7 @@ def test_two_ranks_equal_one_process_in_fp32(env, tmp_path, packing, qat):
     wa, wb = _weights(tmp_path / "one", 3), _weights(tmp_path / "two", 3)
     assert set(wa) == set(wb)
     for k in wa:  # per tensor, |Δ| / |w| (measured: ≤ 2e-7; Adam amplifies rounding where g ≈ 0)
-        assert float((wb[k] - wa[k]).norm() / wa[k].norm()) < 1e-5, k
+        assert float((wb[k] - wa[k]).norm() / wa[k].norm()) < (1e-3 if qat else 1e-5), k
     assert any(not torch.equal(wa[k], v) for k, v in _initial_weights().items())  # training moved them
 
 

@@ -313,3 +313,23 @@ def test_report_baseline_on_run_directories(tmp_path, capsys):
     assert main(["report", *runs, "--out", str(tmp_path / "bad"), "--baseline", "fp32-c"]) == 2
     assert "not one of the arms: fp32-a, fp32-b" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_runs_of_equal_names_are_told_apart_by_their_experiment(tmp_path):
+    """Two experiments' arms of one name (``q-int4-grpo/arms/fp32-int4-grpo-s0`` and ``q-int4-qat/…``): every
+    table names each run by the experiment directory, not by ``arms/``."""
+    import json
+
+    from unison.report import summarize_all
+
+    dirs = []
+    for exp in ("q-int4-grpo", "q-int4-qat"):
+        for seed in (0, 1):
+            d = tmp_path / exp / "arms" / f"fp32-int4-grpo-s{seed}"
+            d.mkdir(parents=True)
+            (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+            dirs.append(d)
+    assert [s["arm"] for s in summarize_all(dirs)] == [
+        "q-int4-grpo/fp32-int4-grpo-s0", "q-int4-grpo/fp32-int4-grpo-s1",
+        "q-int4-qat/fp32-int4-grpo-s0", "q-int4-qat/fp32-int4-grpo-s1"]
+    assert [s["arm"] for s in summarize_all(dirs[:2])] == ["fp32-int4-grpo-s0", "fp32-int4-grpo-s1"]

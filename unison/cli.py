@@ -319,7 +319,7 @@ def _add_demo(sub) -> None:
                        description="Part 1: Paper A's sanity test, one GRPO run per precision on 2-digit addition (SFT warm "
                                    "start, a perfectible set, 40 steps). Part 2: on chained sums with the working written "
                                    "out (69-token answers), the clean fp32 run, the same run with int4 rollout weights, "
-                                   "and that run with a quantization-aware learner (60 steps each). One report with both "
+                                   "and that run with a quantization-aware learner (40 steps each). One report with both "
                                    "tables, the three curves and each run's mismatch ledger. Rerunning with the same "
                                    "--out reuses what is finished.")
     p.add_argument("config", nargs="?", default=None,
@@ -376,13 +376,13 @@ def _add_report(sub) -> None:
 def cmd_report(args) -> int:
     from rich.console import Console
 
-    from unison.report import rich_table, summarize, write_report
+    from unison.report import rich_table, summarize_all, write_report
 
     runs = [Path(r) for r in args.runs]
-    summaries = [summarize(r) for r in runs]
+    summaries = summarize_all(runs)
     out = Path(args.out) if args.out else (runs[0] if len(runs) == 1 else Path("report"))
     path = write_report(runs, out, baseline=args.baseline)
-    console = Console(width=max(Console().width, 140))
+    console = Console(width=max(Console().width, 125 + max(len(s["arm"]) for s in summaries)))
     console.print(rich_table(summaries))
     if args.baseline:
         import json

@@ -28,11 +28,12 @@ CURE = ("-qat", {"train": {"quantization_aware": True}})
 #: part 1's length: the arithmetic sanity test reaches 95% by step ≈ 20 on the CPUs measured
 PRECISION_STEPS = ["train.steps=40"]
 #: part 2's recipe: experiments/quantized_rollout's (chained sums with the working written out, 69-token answers,
-#: 16 prompts × 8, 4 mini-batches per step, lr 1e-4, 60 steps), where GRPO under int4 rollout falls on seed 0
-#: from 0.79 to 0.44 training accuracy (docs/experiments/cures.md) — the cheapest collapse we found
+#: 16 prompts × 8, 4 mini-batches per step, lr 1e-4), cut from 60 steps to 40 — the cheapest collapse we found.
+#: Seed 0 on an AMD EPYC (docs/experiments/cures.md, steps 1–10 → 31–40): int4 GRPO 0.79 → 0.56, the same run
+#: quantization-aware 0.76 → 0.87, the clean run 0.83 → 0.88 (the LR is constant: the first 40 of 60 steps)
 COLLAPSE_RECIPE = ["task.name=scratchpad", "task.operands=7", "task.digits=2", "task.style=full",
                    "task.train_size=600", "task.eval_size=200", "rollout.max_new_tokens=96", "sft.steps=600",
-                   "train.steps=60", "train.lr=1e-4", "train.prompts_per_step=16", "rollout.n=8",
+                   "train.steps=40", "train.lr=1e-4", "train.prompts_per_step=16", "rollout.n=8",
                    "train.mini_batches=4", "train.micro_batch_size=64", "train.micro_batch_tokens=null"]
 
 

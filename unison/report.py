@@ -155,7 +155,7 @@ def rich_table(summaries: list[dict], title: str = "runs compared: one row per r
     cols = columns(summaries)
     t = Table(title=title, caption=definitions(summaries))
     for name, _, _ in cols:
-        t.add_column(name, justify="left" if name == "arm" else "right")
+        t.add_column(name, justify="left" if name == "arm" else "right", no_wrap=name == "arm")
     for s in summaries:
         t.add_row(*[_cell(s[k], f) for _, k, f in cols])
     return t
@@ -228,6 +228,17 @@ def arm_and_seed(run_dir: Path) -> tuple[str, int | None]:
     """``…/fp32-int4-grpo-s2`` -> (its arm name, 2): the directory name without unison sanity's seed suffix."""
     m = _SEED.match(run_dir.name)
     return (m.group(1), int(m.group(2))) if m else (run_dir.name, None)
+
+
+def summarize_all(run_dirs: list[Path]) -> list[dict]:
+    """:func:`summarize` of every run; runs whose directory names are equal are named with as many parents as
+    tell them apart (:func:`arm_labels`) and their seed suffix."""
+    summaries = [summarize(d) for d in run_dirs]
+    if len({s["arm"] for s in summaries}) < len(summaries):
+        for s, d, lab in zip(summaries, run_dirs, arm_labels(run_dirs)):
+            seed = arm_and_seed(d)[1]
+            s["arm"] = lab if seed is None else f"{lab}-s{seed}"
+    return summaries
 
 
 def arm_labels(run_dirs: list[Path]) -> list[str]:
@@ -315,10 +326,7 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise UnisonError("no run directory given: pass one or more RUN_DIRs")
-    summaries = [summarize(d) for d in run_dirs]  # validates every dir first
-    if len({s["arm"] for s in summaries}) < len(summaries):  # equal directory names: add their parents
-        for s, d in zip(summaries, run_dirs):
-            s["arm"] = f"{d.parent.name}/{d.name}"
+    summaries = summarize_all(run_dirs)  # validates every dir first
     paired = None
     if baseline is not None:
         by_arm: dict[str, dict[int, dict]] = {}
