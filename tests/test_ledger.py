@@ -141,8 +141,14 @@ def _adds_up(rows, terms, first=1):
 ], ids=["int4", "K=1", "top-p"])
 def test_the_terms_add_up_to_the_total_on_every_logged_step(tmp_path, reward, sets, terms, dominant):
     rows = _fit(tmp_path, "run", reward + sets, steps=3 if "staleness" in terms else 2)
-    last = _adds_up(rows, terms)[-1]
+    logged = _adds_up(rows, terms)
+    last = logged[-1]
     assert max(terms, key=lambda t: last[f"ledger/{t}_k3"]) == dominant
+    # fp32 on both sides: the engine's prefill and the learner "as the engine ran" (same weights, quantizer,
+    # support) agree to rounding on every step — the learner's passes ran with the weights the step started
+    # from, not with those its 2 mini-batches' updates left (that was a bug: k3 ~1e-3, an update's worth)
+    for r in logged:
+        assert r["ledger/decode_k3"] < 1e-9 and r["ledger/engine_k3"] < 1e-9, r["step"]
     if "staleness" in terms:  # the split is the ledger's own numbers: numerics + staleness
         assert last["ledger/staleness_k3"] > 0
         assert last["mismatch/staleness_k1"] == pytest.approx(last["ledger/staleness_k1"], rel=1e-6, abs=1e-12)

@@ -118,11 +118,12 @@ class Ledger:
         :meth:`measure` of ``step``, when it computed them: the numerics/staleness split reuses them."""
         return self._behave[1] if self._behave is not None and self._behave[0] == step else None
 
-    def measure(self, batch, logp_pi: torch.Tensor, step: int) -> dict[str, float]:
-        """The ledger of ``batch`` (``logp_pi``: the learner's log π_old of its rows, as the trainer computed
-        it): ``ledger/<term>_k1`` and ``_k3`` for every measured term, ``ledger/total_k1`` and ``_k3``.
-        ``step`` is the learner's version (0-based: the weights this step started from)."""
-        mask, mu = batch.response_mask, batch.logp_mu
+    def prepare(self, batch, step: int) -> list[tuple[str, torch.Tensor]]:
+        """Every pass of the chain but its last (the trainer's own π_old), on every row of ``batch``: log μ, the
+        engine's re-score, the learner's passes. ``step`` is the learner's version (0-based: the weights this
+        step started from), so this runs **before the update** — after it the learner holds version step + 1,
+        and a pass "as the engine ran" would measure the update too."""
+        mu = batch.logp_mu
         present, measured = self.plan.present, self.plan.measured
         versions = batch.version if batch.version is not None else torch.full((batch.size,), step)
         stale = "staleness" in present and bool((versions != step).any())
@@ -141,16 +142,28 @@ class Ledger:
         if "decode" in measured:
             chain.append(("decode", self._by_version(batch, versions, self.rescore)))
         terms = ["engine", *knobs]
-        self._behave = None
-        for i, term in enumerate(terms):
+        routing = getattr(self.learner, "last_routing", None)  # the trainer's π_old pass's, not the ledger's
+        for term in terms[:-1]:
             if term != "engine":
                 state[term] = final[term]
-            if i == len(terms) - 1:  # every knob now as the trainer has it: the trainer's own π_old
-                chain.append((term, logp_pi))
-            else:
-                chain.append((term, self._learner_scores(batch, versions, step, state)))
-        if knobs and knobs[-1] == "staleness":
-            self._behave = (step, chain[-2][1])
+            chain.append((term, self._learner_scores(batch, versions, step, state)))
+        if routing is not None:
+            self.learner.last_routing = routing
+        chain.append((terms[-1], None))  # every knob as the trainer has it: the trainer's own π_old
+        return chain
+
+    def measure(self, batch, logp_pi: torch.Tensor, step: int, chain=None, rows=None) -> dict[str, float]:
+        """The ledger of ``batch`` (``logp_pi``: the learner's log π_old of its rows, as the trainer computed
+        it): ``ledger/<term>_k1`` and ``_k3`` for every measured term, ``ledger/total_k1`` and ``_k3``.
+        ``chain``: :meth:`prepare` of the batch ``rows`` were selected from (before the update); without it
+        the chain is scored now, with the learner's present weights as version ``step``."""
+        if chain is None:
+            chain = self.prepare(batch, step)
+        elif rows is not None:
+            chain = [(t, x if x is None else x[rows]) for t, x in chain]
+        chain = chain[:-1] + [(chain[-1][0], logp_pi)]
+        mask, mu = batch.response_mask, batch.logp_mu
+        self._behave = (step, chain[-2][1]) if chain[-1][0] == "staleness" else None
         out = {}
         for (_, prev), (term, nxt) in zip(chain, chain[1:]):
             out[f"ledger/{term}_k1"] = float(k1(nxt, prev, mask))

@@ -225,13 +225,16 @@ class Trainer:
         else:                                                          #    or per micro-batch of π_old
             weights, cmetrics = (lambda o, mu, m: self.correct(o, mu, m)[0]), {}
         lr = self.schedule.lr(step + 1)
+        t0 = time.perf_counter()
+        chain = self.ledger.prepare(batch, step) if self._ledger_due(step) else None  # before 5: version step
+        t_ledger = time.perf_counter() - t0
         self.source.sleep()
         t0 = time.perf_counter()
         stats = self.learner.train(batch, old, weights, lr, seed=step_seed(cfg.seed, step) + 1)  # 5.
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
-        metrics.update(self._telemetry(batch, stats, cmetrics, step))  # 7. (before 6: it may score with
-        t_tele = time.perf_counter() - t0                              #    the weights 6 overwrites)
+        metrics.update(self._telemetry(batch, stats, cmetrics, step, chain, t_ledger))  # 7. (before 6: it may
+        t_tele = time.perf_counter() - t0                              #    score with the weights 6 overwrites)
         self.source.wake()
         t0 = time.perf_counter()
         sync = self.source.publish(self.learner, step + 1)             # 6. weights to the engine
@@ -298,7 +301,7 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------- telemetry
-    def _telemetry(self, batch, stats, cmetrics: dict, step: int) -> dict:
+    def _telemetry(self, batch, stats, cmetrics: dict, step: int, chain=None, t_ledger: float = 0.0) -> dict:
         """Mismatch of the learner's π_old vs μ on the sampled tokens (split into numerics and
         staleness for off-policy samples), corrections, routing, lengths, staleness."""
         mask = batch.response_mask
@@ -328,7 +331,7 @@ class Trainer:
                                                                   learner_routing[rows], mask[rows])
         stale = (step - batch.version).float()
         lengths = batch.response_lens.float()
-        return {**mm, **cmetrics, **self._ledger_metrics(batch, rows, logp_pi, step),
+        return {**mm, **cmetrics, **self._ledger_metrics(batch, rows, logp_pi, step, chain, t_ledger),
                 **self._mismatch_split(batch, rows, logp_pi, step),
                 "staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
                 "reward/trained_mean": float(batch.rewards.mean()),
@@ -341,16 +344,20 @@ class Trainer:
             else self.cfg.mismatch.decompose_every  # the mismatch budget reads the split every step
         return bool(every) and (step + 1) % every == 0
 
-    def _ledger_metrics(self, batch, rows, logp_pi, step: int) -> dict:
-        """The mismatch ledger of this step's batch (unison/ledger.py), on decompose steps, with its console
-        line; warns once about a stale engine."""
-        if self.ledger is None or (step + 1) % self.cfg.mismatch.decompose_every:
+    def _ledger_due(self, step: int) -> bool:
+        return self.ledger is not None and not (step + 1) % self.cfg.mismatch.decompose_every
+
+    def _ledger_metrics(self, batch, rows, logp_pi, step: int, chain, t_ledger: float) -> dict:
+        """The mismatch ledger of this step's batch (unison/ledger.py), on decompose steps, from the chain
+        :meth:`Ledger.prepare` scored before the update, with its console line; warns once about a stale
+        engine."""
+        if chain is None:
             return {}
         from unison.ledger import shares
 
         t0 = time.perf_counter()
-        m = self.ledger.measure(batch.select(rows), logp_pi[rows], step)
-        m["time/ledger_s"] = time.perf_counter() - t0
+        m = self.ledger.measure(batch.select(rows), logp_pi[rows], step, chain, rows)
+        m["time/ledger_s"] = t_ledger + time.perf_counter() - t0
         if self.cfg.log.console:
             self.log(f"[train] step {step + 1} {shares(m)}")
         self.ledger.check_stale(m, self.log)
