@@ -117,8 +117,36 @@ def write_demo_report(out: Path, prec_dirs, trio, labels, headline: str, cfg1: C
              f"## 2. A run that collapses, and the same run cured ({recipe(cfg2)})", "", markdown_table(cure), "",
              f"![curves]({curves.relative_to(out)})", ""]
     if led:
-        lines += ["Where each run's mismatch came from (the mismatch ledger, docs/ledger.md):", "",
+        lines += ["Where each run's mismatch came from (the mismatch ledger, docs/ledger.md): the mean k3 of each term "
+                  "over the run's ledger steps, and its share of their sum:", "",
+                  *ledger_table([(s["arm"], d) for s, d in zip(prec + cure, [*prec_dirs, *trio])]), "",
                   f"![ledger]({led.relative_to(out)})", ""]
     lines += ["Runs: " + ", ".join(f"`{d}`" for d in [*prec_dirs, *trio]), ""]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return out / "report.md"
+
+
+def ledger_table(runs) -> list[str]:
+    """Markdown rows: per run, the mean ``ledger/<term>_k3`` over its ledger steps and each term's share."""
+    from unison.data_io import read_metrics
+    from unison.ledger import TERMS
+
+    rows, used = [], []
+    for name, d in runs:
+        logged = [r for r in read_metrics(d / "metrics.jsonl") if "ledger/total_k3" in r]
+        if not logged:
+            continue
+        means = {t: sum(r[f"ledger/{t}_k3"] for r in logged) / len(logged)
+                 for t in TERMS if all(f"ledger/{t}_k3" in r for r in logged)}
+        used += [t for t in means if t not in used]
+        rows.append((name, len(logged), sum(r["ledger/total_k3"] for r in logged) / len(logged), means))
+    if not rows:
+        return ["(no ledger step)"]
+    terms = [t for t in TERMS if t in used]
+    out = ["| run | ledger steps | mean total k3 | " + " | ".join(terms) + " |",
+           "| --- | --- | --- | " + " | ".join("---" for _ in terms) + " |"]
+    for name, n, total, means in rows:
+        tot = sum(max(v, 0.0) for v in means.values()) or 1.0
+        out.append(f"| {name} | {n} | {total:.2e} | " + " | ".join(
+            f"{means[t]:.2e} ({100 * max(means[t], 0.0) / tot:.0f}%)" if t in means else "–" for t in terms) + " |")
+    return out
