@@ -1,4 +1,5 @@
 import os
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,3 +24,20 @@ def shared_data():
     if not path.exists():
         pytest.skip("../shared/data/math is not present next to the repository")
     return path
+
+
+@pytest.fixture()
+def module_dir(tmp_path, monkeypatch):
+    """A directory on sys.path holding rewards.py: ``always`` (raises), ``zero``, ``length``."""
+    (tmp_path / "rewards.py").write_text(textwrap.dedent("""
+        def always(response, item):
+            raise ValueError("no answer field")
+
+        def zero(response, item):
+            return 0.0
+
+        def length(response, item):
+            return len(response) / 10
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path

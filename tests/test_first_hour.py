@@ -23,21 +23,6 @@ BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4"
         "log.tensorboard=false"]
 
 
-@pytest.fixture()
-def module_dir(tmp_path, monkeypatch):
-    (tmp_path / "rewards.py").write_text(textwrap.dedent("""
-        def always(response, item):
-            raise ValueError("no answer field")
-
-        def zero(response, item):
-            return 0.0
-
-        def length(response, item):
-            return len(response) / 10
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
-
 
 # 1 ------------------------------------------------------------------------------------------------
 def test_a_reward_that_always_raises_stops_the_run_even_when_most_responses_are_truncated(tmp_path, module_dir):

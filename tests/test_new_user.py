@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -27,19 +26,8 @@ BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4"
 
 
 @pytest.fixture()
-def rewards(tmp_path, monkeypatch):
-    (tmp_path / "rewards.py").write_text(textwrap.dedent("""
-        def always(response, item):
-            raise ValueError("no answer field")
-
-        def zero(response, item):
-            return 0.0
-
-        def length(response, item):
-            return len(response) / 10
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
+def rewards(module_dir):
+    return module_dir
 
 
 @pytest.fixture(autouse=True)
