@@ -278,7 +278,11 @@ def test_the_start_up_line_names_algorithm_lora_packing_and_truncated_sampling(t
     line = next(m for m in logs if m.startswith("[train] algo "))
     assert line.startswith("[train] algo grpo_token_tis (advantage drgrpo, loss ppo_clip, correction token_tis")
     assert "LoRA rank 2" in line and "checkpoints hold the adapters" in line
-    assert "packing on" in line and "top-p 0.9 and top-k 20" in line and "adds to the mismatch" in line
+    assert "packing on" in line and "top-p 0.9 and top-k 20" in line and "renormalises π over the same support" in line
+    logs.clear()
+    Trainer(load_config(None, BASE + ["train.steps=1", "rollout.top_p=0.9", "rollout.replay_sampling_mask=false"]),
+            tmp_path / "c", log=logs.append)
+    assert "adds −log(kept mass) to the mismatch" in next(m for m in logs if m.startswith("[train] algo "))
     logs.clear()
     Trainer(load_config(None, BASE + ["train.steps=1"]), tmp_path / "b", log=logs.append)
     line = next(m for m in logs if m.startswith("[train] algo "))

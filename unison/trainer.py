@@ -196,10 +196,16 @@ class Trainer:
                 if cfg.lora.rank else "full fine-tuning")
         packing = "packing on" if self.learner.packing else "packing off"
         cut = [x for x in (f"top-p {r.top_p:g}" if r.top_p < 1 else "", f"top-k {r.top_k}" if r.top_k else "") if x]
-        sampling = (f"sampling at temperature {r.temperature:g} with {' and '.join(cut)}: log μ is that of the truncated "
-                    f"distribution, which the learner does not score — it adds to the mismatch (set rollout.top_p=1, "
-                    f"rollout.top_k=0 for RL unless you mean it)" if cut
-                    else f"sampling at temperature {r.temperature:g} from the full distribution")
+        if not cut:
+            sampling = f"sampling at temperature {r.temperature:g} from the full distribution"
+        elif r.replay_sampling_mask:
+            sampling = (f"sampling at temperature {r.temperature:g} with {' and '.join(cut)}: log μ is that of the "
+                        f"truncated distribution, and the learner renormalises π over the same support "
+                        f"(rollout.replay_sampling_mask)")
+        else:
+            sampling = (f"sampling at temperature {r.temperature:g} with {' and '.join(cut)}: log μ is that of the "
+                        f"truncated distribution, which the learner does not score — it adds −log(kept mass) to "
+                        f"the mismatch (rollout.replay_sampling_mask=true renormalises π over the sampled support)")
         return f"{algo}; {lora}; {packing}; {sampling}"
 
     # --------------------------------------------------------------- the step
