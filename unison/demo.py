@@ -61,8 +61,10 @@ def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions:
     headline = _headline(trio, quantization)
     wall = {"part 1": t1 - t0, "part 2": time.perf_counter() - t1}
     report = write_demo_report(out, prec_dirs, trio, labels, headline, precision_cfg, collapse_cfg, wall)
-    return {"report": report, "headline": headline, "arms": [summarize(d) for d in prec_dirs + trio],
-            "wall_s": time.perf_counter() - t0}
+    arms = [summarize(d) for d in prec_dirs + trio]
+    for s, lab in zip(arms[len(prec_dirs):], labels):  # part 2's fp32 run is not part 1's: say which is which
+        s["arm"] = lab
+    return {"report": report, "headline": headline, "arms": arms, "wall_s": time.perf_counter() - t0}
 
 
 def _tail(rows, key="reward/mean", n=10):
