@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +44,8 @@ from torch.utils.checkpoint import checkpoint
 from unison.batch import RolloutBatch
 from unison.distributed import Dist, current, decoder_layers, full_tensor, local_tensor, shard
 from unison.errors import UnisonError
-from unison.models import (PACKED_ATTENTION, load_model, load_tokenizer, model_shell, packed_forward, packed_kwargs,
-                            use_packed_attention)
+from unison.models import (PACKED_ATTENTION, load_model, load_tokenizer, logit_transform, model_shell, packed_forward,
+                            packed_kwargs, use_packed_attention)
 from unison.precision import Precision, autocast
 from unison.rollout.base import support_logsumexp
 
@@ -54,21 +54,6 @@ DEFAULT_CHUNK = 512
 
 
 # ----------------------------------------------------------------------------- log-probs
-def _logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What a model does to ``lm_head``'s output before the softmax: Gemma's soft-capping
-    ``cap·tanh(z/cap)``, Cohere's ``logit_scale``, Granite's ``1/logits_scaling``."""
-    cap = getattr(config, "final_logit_softcapping", None)
-    scale = getattr(config, "logit_scale", None)
-    granite = getattr(config, "logits_scaling", None)
-    if cap:
-        return lambda z: torch.tanh(z / cap) * cap
-    if isinstance(scale, (int, float)) and scale != 1:
-        return lambda z: z * scale
-    if isinstance(granite, (int, float)) and granite != 1:
-        return lambda z: z / granite
-    return None
-
-
 def _head_logp(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float,
                transform, want_entropy: bool, support: torch.Tensor | None = None):
     """log p(target) and entropy for rows of hidden states ``h`` [N, d] (fp32 softmax). ``support`` [N]:
@@ -100,7 +85,7 @@ class PolicyForward(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, aux_loss_coef: float = 0.0):
         super().__init__()
         self.lm = lm
-        self._transform = _logit_transform(lm.config)
+        self._transform = logit_transform(lm.config)
         #: MoE: when > 0, training forwards also compute the router's load-balancing loss
         #: (``last_aux_loss``), which the learner adds with this weight
         self.aux_loss_coef = aux_loss_coef

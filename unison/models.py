@@ -16,6 +16,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -462,3 +463,18 @@ def packed_kwargs(position_ids: torch.Tensor) -> dict:
     pos = position_ids[0].cpu()
     starts = (pos == 0).nonzero().flatten()
     return {"cu_seq_lens_q": torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)}
+
+
+def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a model does to ``lm_head``'s output before the softmax: Gemma's soft-capping
+    ``cap·tanh(z/cap)``, Cohere's ``logit_scale``, Granite's ``1/logits_scaling``."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    granite = getattr(config, "logits_scaling", None)
+    if cap:
+        return lambda z: torch.tanh(z / cap) * cap
+    if isinstance(scale, (int, float)) and scale != 1:
+        return lambda z: z * scale
+    if isinstance(granite, (int, float)) and granite != 1:
+        return lambda z: z / granite
+    return None

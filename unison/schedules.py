@@ -208,8 +208,8 @@ class MismatchBudgetSchedule(LRSchedule):
                 self.factor, self.state = max(self.factor * self.down, self.min_ratio), -1
             elif value < self.target / 2:
                 self.factor, self.state = min(self.factor * self.up, 1.0), 1
-        return {"schedule/budget_state": self.state, "schedule/budget_factor": self.factor,
-                "lr_schedule/surge_step": -1}
+        return {**super().observe(step, metrics), "schedule/budget_state": self.state,
+                "schedule/budget_factor": self.factor}
 
     def state_dict(self) -> dict:
         return {"factor": self.factor, "state": self.state}

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from unison.batch import Completion
 from unison.errors import UnisonError
 from unison.exact import ExactForward, full_allowed
-from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer  # noqa: F401 - re-exported
+from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
 from unison.quant import DEFAULT_GROUP, check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 
@@ -185,9 +185,10 @@ class NativeEngine:
         eos = torch.tensor([] if params.ignore_eos else self.eos_ids, dtype=torch.long, device=dev)
         next_pos = pos[:, -1] + 1
         for t in range(T):
-            tok, lp, kept = sample_tokens(logits, params, seeds[active], t, return_support=True)
-            if out_support is not None:
-                out_support[active, t] = kept
+            if out_support is None:
+                tok, lp = sample_tokens(logits, params, seeds[active], t)
+            else:
+                tok, lp, out_support[active, t] = sample_tokens(logits, params, seeds[active], t, return_support=True)
             if self.exact is not None:  # the learner's formula, on the same logits
                 lp = torch.zeros_like(lp) if params.temperature == 0 else \
                     self.exact.ops.token_logp(logits, tok, params.temperature)
@@ -258,18 +259,10 @@ class NativeEngine:
         return out
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """The output layer (and the model's own logit transform) on final hidden states."""
+        """The output layer (and the model's own logit transform, as the learner applies it) on final hidden states."""
         logits = self.model.get_output_embeddings()(h)
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        scale = getattr(self.config, "logit_scale", None)
-        granite = getattr(self.config, "logits_scaling", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        elif isinstance(scale, (int, float)) and scale != 1:
-            logits = logits * scale
-        elif isinstance(granite, (int, float)) and granite != 1:
-            logits = logits / granite
-        return logits
+        transform = logit_transform(self.config)
+        return logits if transform is None else transform(logits)
 
     def _backend(self, B: int, P: int, T: int):
         if self.exact is not None:
