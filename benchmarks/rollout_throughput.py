@@ -10,7 +10,8 @@ machines are noisy). ``--vllm`` adds the vLLM engine
 
 Where the time goes against what this CPU can do (issue 32): the script measures, in this process
 and at its thread count, the memory bandwidth (``dst.copy_(src)`` of two 256 MiB fp32 buffers: read +
-write) and the fp32 matmul peak (a 2048³ ``torch.mm``), and reports for the native fast path a
+write) and the fp32 matmul peak (a 2048³ product by each library unison can use: ``blas``, torch's
+``torch.mm``, and ``onednn``; unison/gemm.py — the larger is the peak), and reports for the native fast path a
 roofline: every decode step reads the model's matmul weights once (and the KV cache so far) and does
 2 FLOPs per weight per row, so one step takes at least max(bytes / bandwidth, FLOPs / peak) — summed
 over the ``--max-new-tokens`` steps of a batch that is the best tokens/s this CPU allows, and
@@ -19,8 +20,10 @@ bound assumes the weights do not stay in the CPU's caches — true of SmolLM2's 
 the tiny model's 3 MB, whose fraction therefore means little). With
 ``--update-steps N`` (default 1) it also runs N RL steps of ``unison train`` on the model (the probe's 8
 chat prompts, ``--batch`` responses of up to ``--max-new-tokens`` tokens, fp32, a length reward) and
-reports the update's FLOP/s — 6 × matmul parameters × tokens for the training forward and backward, 2 ×
-for a separate score pass, plus attention — beside the matmul peak.
+reports the update's FLOP/s — 6 × the decoder's matmul parameters × tokens and 6 × the output layer's ×
+response tokens for the training forward and backward (2 × for a separate score pass), plus attention —
+beside the matmul peak. In fp32 the native engine is timed on each library (its linears follow the one
+chosen when it is loaded) and the faster counts; the update runs on ``gemm: auto``'s choice (in the JSON).
 
     python benchmarks/rollout_throughput.py [--model DIR] [--batch 32] [--max-new-tokens 128] [--vllm]
     python benchmarks/rollout_throughput.py --model builtin:smollm2 --dtypes fp32   # issue 32's roofline
@@ -38,6 +41,7 @@ from machine import cpu_model  # noqa: E402 - a sibling module (python benchmark
 
 import torch
 
+from unison import gemm
 from unison.models import load_model, resolve_model_dir
 from unison.precision import DTYPES
 from unison.rollout import SamplingParams, make_engine
@@ -60,11 +64,21 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * 4 * n / best_of(lambda: dst.copy_(src), repeats)
 
 
-def matmul_peak(size: int = 2048, repeats: int = 3) -> float:
-    """fp32 FLOP/s of a large square matmul, best of ``repeats``."""
+def matmul_peak(size: int = 2048, repeats: int = 3) -> dict[str, float]:
+    """fp32 FLOP/s of a large square matmul by each library torch can use (unison/gemm.py: ``blas``, torch's
+    ``torch.mm``, and ``onednn``), best of ``repeats``."""
+    from unison import gemm
+
     a, b = torch.rand(size, size), torch.rand(size, size)
-    torch.mm(a, b)
-    return 2 * size**3 / best_of(lambda: torch.mm(a, b), repeats)
+    fns = {"blas": lambda: torch.mm(a, b)}
+    if gemm.onednn_available():
+        bt = b.t()  # x·bᵀᵀ = a·b: the oneDNN linear with a transposed view as its weight
+        fns["onednn"] = lambda: gemm._onednn(a, bt, None)
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        out[name] = 2 * size**3 / best_of(fn, repeats)
+    return out
 
 
 def matmul_params(model) -> int:
@@ -121,16 +135,19 @@ def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float
     t.source.close()
     model = t.learner.model
     c = model.config
-    w = matmul_params(model)
+    head = model.get_output_embeddings().weight.numel()
+    body = matmul_params(model) - head  # every position goes through the decoder; only response tokens need logits
     n = max(2, batch // n_prompts)
     prompt_tokens = n * sum(len(p) for p in t.prompt_ids[:n_prompts])
     rows = n * n_prompts
     seq = prompt_tokens / rows + m["response_length/mean"]  # mean tokens per sequence
-    fwd = rows * (2 * w * seq + 2 * c.num_hidden_layers * c.hidden_size * seq * seq)  # matmuls + causal attention
+    responses = rows * m["response_length/mean"]
+    # matmuls + causal attention + the output layer at response positions
+    fwd = rows * (2 * body * seq + 2 * c.num_hidden_layers * c.hidden_size * seq * seq) + 2 * head * responses
     separate_score = t.anchor == "score"
     update_s, score_s = m["time/update_s"], m.get("time/score_s") or 0.0
     flops = 3 * fwd + (fwd if separate_score else 0.0)
-    return {"rows": rows, "mean_sequence_tokens": round(seq, 1), "response_tokens": round(rows * m["response_length/mean"]),
+    return {"gemm": str(t.gemm), "rows": rows, "mean_sequence_tokens": round(seq, 1), "response_tokens": round(responses),
             "score_pass": "separate" if separate_score else "fused into the training forward",
             "update_s": round(update_s, 2), "score_s": round(score_s, 2), "generate_s": round(m.get("time/generate_s", 0), 2),
             "step_s": round(m["time/step_s"], 2), "update_gflop": round(flops / 1e9, 1),
@@ -153,18 +170,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     model_dir = resolve_model_dir(args.model)
-    bw, peak = memory_bandwidth(args.bandwidth_mib), matmul_peak(args.matmul_size)
+    bw, peaks = memory_bandwidth(args.bandwidth_mib), matmul_peak(args.matmul_size)
+    peak = max(peaks.values())  # the CPU's best fp32 matmul rate that torch can reach
     texts = ["12+35=", "Once upon a time", "def add(a, b):\n", "Let n be a positive integer."]
     results = []
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        engine = make_engine("native", model_dir, dtype)
-        tok = engine.tokenizer
-        prompts = [tok(texts[i % len(texts)])["input_ids"] for i in range(args.batch)]
         params = SamplingParams(n=1, max_tokens=args.max_new_tokens, seed=0, ignore_eos=True)
         n_tokens = args.batch * args.max_new_tokens
-        engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
-        t_native = best_of(lambda: engine.generate(prompts, params), args.repeats)
+        by_gemm = {}
+        for lib in (peaks if dtype == torch.float32 else ["blas"]):  # bf16/fp16 linears are oneDNN's in torch already
+            gemm.use(lib)  # the engine's linears follow the library chosen when it is loaded
+            engine = make_engine("native", model_dir, dtype)
+            tok = engine.tokenizer
+            prompts = [tok(texts[i % len(texts)])["input_ids"] for i in range(args.batch)]
+            engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
+            by_gemm[lib] = best_of(lambda: engine.generate(prompts, params), args.repeats)
+        gemm.use("blas")  # HF generate and the generic path below: torch's own linears, as before
+        lib_native = min(by_gemm, key=by_gemm.get)
+        t_native = by_gemm[lib_native]
         generic = make_engine("native", model_dir, dtype)
         generic.path = "generic"  # the same model through the path every other architecture takes
         generic.generate(prompts[:2], SamplingParams(max_tokens=4))
@@ -184,9 +208,11 @@ def main() -> None:
         t_hf = best_of(hf_generate, args.repeats)
         row = {
             "dtype": name, "batch": args.batch, "new_tokens": args.max_new_tokens,
-            "native_tokens_per_s": round(n_tokens / t_native, 1),
+            "native_tokens_per_s": round(n_tokens / t_native, 1), "native_gemm": lib_native,
+            "native_tokens_per_s_by_gemm": {k: round(n_tokens / v, 1) for k, v in by_gemm.items()},
             "hf_generate_tokens_per_s": round(n_tokens / t_hf, 1),
             "native_over_hf": round(t_hf / t_native, 2),
+            "native_blas_over_hf": round(t_hf / by_gemm["blas"], 2),  # the same linears as HF's: the engine alone
             "generic_tokens_per_s": round(n_tokens / t_generic, 1),
             "generic_over_hf": round(t_hf / t_generic, 2),
             "engine_path": engine.path,
@@ -210,6 +236,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir), "cpu": cpu_model(),
                       "threads": torch.get_num_threads(),
                       "machine": {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
+                                  "fp32_matmul_gflop_s_by_gemm": {k: round(v / 1e9, 1) for k, v in peaks.items()},
                                   "bandwidth_copy_mib": args.bandwidth_mib, "matmul_size": args.matmul_size},
                       "results": results, **({"update_fp32": update} if update else {})}, indent=2))
 

@@ -8,15 +8,17 @@ matmul loop, or ``--competitor python``: a pure Python loop), and prints JSON wi
 
 * workloads (``--workloads``): ``sft`` — the demo's supervised warm start (``unison sanity``'s recipe,
   ``--sft-steps`` steps); ``arms`` — the demo's three RL arms (fp16, bf16, fp32; ``unison sanity``'s
-  defaults, ``--steps`` steps each, from one prepared SFT model and filtered set); ``smollm2`` — one
-  RL step of SmolLM2-135M (``builtin:smollm2``: 8 short chat prompts × 4 samples × 128 new tokens,
-  fp32, a length reward; needs ``make install-smollm2``);
+  defaults, ``--steps`` steps each, from one prepared SFT model and filtered set); ``smollm2`` —
+  ``--smollm2-steps`` RL steps of SmolLM2-135M (``builtin:smollm2``: 8 short chat prompts × 4 samples ×
+  128 new tokens, fp32, a length reward; needs ``make install-smollm2``), timed by the median of the
+  steps after the first (one step of a run varies by ±15% on this machine from run to run);
 * arms (``--arms``): ``1``, ``2`` (``--threads N``), ``auto`` (the default), and ``2-spin``: 2 threads
   with libgomp's own spin-waiting (``GOMP_SPINCOUNT=300000``, libgomp's default when no wait policy is
   set: what unison did before issue 32).
 
 Reported per workload and arm: wall seconds of the process and of the work itself (sft: its
-``wall_s``; arms: the sum of the three arms' step times; smollm2: the step's ``time/step_s``), the
+``wall_s``; arms: the sum of the three arms' step times; smollm2: the median ``time/step_s`` of its
+steps after the first), the
 thread count each process chose, and ``loaded_over_quiet``. ``goals``: with one competing process the
 ``auto`` arm is at most 2.5× slower than quiet, and quiet ``auto`` is within 10% of the best of 1 and 2.
 ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` are removed from the children's environment (``auto`` would
@@ -34,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,16 +129,28 @@ def run_smollm2(args, work: Path, arm: str, tag: str) -> dict:
     sets = ["model=builtin:smollm2", "precision=fp32", "task.name=jsonl",
             f"task.path={ROOT / 'unison' / 'data' / 'prompts.jsonl'}", f"task.reward={work / 'length_reward.py'}:reward",
             "task.truncated_reward=null", f"train.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
-            f"rollout.max_new_tokens={args.max_new_tokens}", "train.lr=1e-6", "train.steps=1", "log.console=false",
+            f"rollout.max_new_tokens={args.max_new_tokens}", "train.lr=1e-6", f"train.steps={args.smollm2_steps}",
+            "log.console=false",
             "log.tensorboard=false", "checkpoint.every_minutes=0"]
     r = unison(["train", str(work / "empty.yaml"), "--out", str(out), *[x for s in sets for x in ("--set", s)]], arm,
                work / f"smollm2-{tag}-{arm}.log", args.timeout, work)
     if not r["timed_out"]:
-        row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-        r["work_s"] = round(row["time/step_s"], 1)
-        r["phases_s"] = {k.split("/")[1]: round(row[k], 1) for k in ("time/generate_s", "time/update_s")
-                         if isinstance(row.get(k), (int, float))}
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        timed = rows[1:] or rows  # the first step is warm-up when there are more
+
+        def median(key):
+            vals = sorted(x[key] for x in timed if isinstance(x.get(key), (int, float)))
+            return round(statistics.median(vals), 1) if vals else None
+
+        r["work_s"] = median("time/step_s")
+        r["steps_s"] = [round(x["time/step_s"], 1) for x in rows]
+        r["phases_s"] = {k.split("/")[1]: median(k) for k in ("time/generate_s", "time/update_s")}
+        r["gemm_chosen"] = sorted(set(re.findall(r"fp32 matmuls \w+ \([^)]*\)", log_text(work, tag, arm))))
     return r
+
+
+def log_text(work: Path, tag: str, arm: str) -> str:
+    return (work / f"smollm2-{tag}-{arm}.log").read_text(errors="replace")
 
 
 # ------------------------------------------------------------------ the competitor
@@ -166,6 +181,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="smollm2: prompts per step (the 8 built-in ones)")
     ap.add_argument("--n", type=int, default=4, help="smollm2: samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="smollm2: new tokens")
+    ap.add_argument("--smollm2-steps", type=int, default=3, help="smollm2: RL steps per run (the first not timed)")
     ap.add_argument("--competitor", default="numpy", choices=sorted(COMPETITORS))
     ap.add_argument("--conditions", default="quiet,loaded", help="comma-separated: quiet, loaded")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one process may take (else: timed out)")
@@ -173,7 +189,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.sft_steps, args.prompts, args.n, args.max_new_tokens = 2, 5, 2, 2, 8
+        args.steps, args.sft_steps, args.prompts, args.n, args.max_new_tokens, args.smollm2_steps = 2, 5, 2, 2, 8, 1
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     for a in arms:
@@ -226,7 +242,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "threads", "cpu": cpu_model(), "cores": usable_cores()[0], "quick": args.quick,
         "settings": {"workloads": args.workloads, "arms": arms, "steps": args.steps, "sft_steps": args.sft_steps,
-                     "smollm2": {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens},
+                     "smollm2": {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+                                 "steps": args.smollm2_steps},
                      "competitor": args.competitor, "conditions": conditions},
         "results": results, "ratios": ratios, "goals": goals,
         **({"work_dir": str(work)} if args.keep else {}),

@@ -41,3 +41,14 @@ def module_dir(tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _gemm_choice_per_test():
+    """A test that makes this process's fp32 matmuls oneDNN's (unison/gemm.py) does not change the bits of
+    the tests after it."""
+    from unison import gemm
+
+    before = gemm.current()
+    yield
+    gemm.use(before)

@@ -475,6 +475,11 @@ class Config(_Section):
     #: its ops are too small for more) — or N threads. The choice and its reason are printed at start.
     #: The async worker takes rollout.worker_threads of it. --resume may change it
     threads: int | str = "auto"
+    #: the library of the CPU's fp32 matmuls (unison/gemm.py): auto (default) measures BLAS against oneDNN
+    #: at start on the model's shapes and takes oneDNN when it is ≥ 1.3× faster (models under 10M
+    #: parameters, CUDA and torchrun jobs: blas) | blas (torch's default) | onednn. The choice is printed
+    #: at start and written to the run's config.yaml, so --resume keeps it
+    gemm: str = "auto"
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -502,6 +507,13 @@ class Config(_Section):
         from unison.threads import parse_threads
 
         return parse_threads(v)
+
+    @field_validator("gemm", mode="before")
+    @classmethod
+    def _gemm(cls, v):
+        from unison.gemm import parse_gemm
+
+        return parse_gemm(v)
 
     @field_validator("engine")
     @classmethod

@@ -67,6 +67,7 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
     from unison.precision import Precision
     from unison.rollout import make_engine
     from unison.tasks import make_reward, make_task
+    from unison import gemm
     from unison.threads import setup
 
     if k < 1:
@@ -79,6 +80,10 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
                          **cfg.vllm.model_dump())
     tokenizer = load_tokenizer(model_dir)
     setup(cfg.threads, model_dir=model_dir, log=lambda m: log(f"[filter] {m}"))  # after the checks: errors stay one line
+    gemm.setup(cfg.gemm, model_dir=model_dir, device=cfg.device, fp32=prec.rollout_dtype == torch.float32,
+               log=lambda m: log(f"[filter] {m}"))
+    if getattr(engine, "model", None) is not None:  # loaded before the choice: routed now
+        gemm.apply(engine.model)
     torch.manual_seed(cfg.seed)
     log(f"[filter] sampling {k} responses for each of {len(task.train)} prompts")
     rates = pass_rates(engine, task, reward, task.train, tokenizer, k, cfg.rollout.temperature,

@@ -313,7 +313,9 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     except OSError as e:
         raise UnisonError(f"cannot load weights from '{model_dir}' ({e}): check the directory "
                           f"holds model.safetensors or pytorch_model.bin") from e
-    return model.to(device).eval()
+    from unison import gemm
+
+    return gemm.apply(model.to(device).eval())  # fp32 linears by the process's chosen library (gemm: ...)
 
 
 #: families whose decoder layers the fused fast path runs

@@ -198,9 +198,10 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
             raise UnisonError(f"--resume: '{cfg_path}' is damaged ({type(e).__name__}): restore it "
                               f"or start a new run") from e
         new = yaml.safe_load(new_cfg)
-        for tree in (old, new):  # what a resumed run may change: its length and its threads
+        for tree in (old, new):  # what a resumed run may change: its length, its threads and its matmul library
             tree.get("train", {}).pop("steps", None)
             tree.pop("threads", None)
+            tree.pop("gemm", None)
         # a run written by an older unison lacks the newer keys: they take this config's values
         diffs = [d for d in differences(old, new) if (d[1] is not None or _has(old, d[0])) and not _same_path(*d)]
         if diffs:

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from unison.filter import pass_rates
-from unison.learner import token_logprobs
+from unison import gemm
+from unison.learner import adamw, token_logprobs
 from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir, unknown_characters
 from unison.rollout import make_engine
 from unison.tasks import make_reward, make_task
@@ -74,6 +75,7 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
     reward = make_reward(task, cfg.task)
     tokenizer = load_tokenizer(model_dir)
     setup(cfg.threads, model_dir=model_dir, log=lambda m: log(f"[sft] {m}"))  # after the checks: errors stay one line
+    gemm.setup(cfg.gemm, model_dir=model_dir, device=cfg.device, log=lambda m: log(f"[sft] {m}"))  # before the load
     if getattr(task, "multi_turn", False):
         task.prepare(tokenizer, cfg.model)
     model = load_model(model_dir, torch.float32, cfg.device)
@@ -84,7 +86,7 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
     if unknown:
         log(f"[sft] WARNING {unknown}")
     rng = random.Random(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = adamw(list(model.parameters()), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
     s = cfg.sft
     t0 = time.perf_counter()
     for step in range(s.steps):

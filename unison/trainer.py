@@ -54,6 +54,7 @@ from unison.rollout.source import PromptSampler, make_source, step_seed  # noqa:
 from unison.runlog import RunLog, console_line, memory_metrics, plural
 from unison.schedules import GradNoiseTracker, make_schedule
 from unison.tasks import make_reward, make_task
+from unison.gemm import setup as setup_gemm
 from unison.threads import setup as setup_threads
 from unison.tasks.env import episode_metrics, model_token_budget, tokens_after_prompt, with_model_tokens
 
@@ -101,6 +102,11 @@ class Trainer:
             if cfg.exact else None
         preflight.check_run_dir(self.run_dir, cfg, resume)
         self.threads = setup_threads(cfg.threads, model_dir=model_dir)  # before the async worker is spawned
+        self.gemm = setup_gemm(_resumed_gemm(cfg, self.run_dir) if resume else cfg.gemm, model_dir=model_dir,
+                               device=cfg.device, world_size=self.dist.world_size,
+                               fp32=torch.float32 in (self.prec.rollout_dtype, self.prec.learner_dtype))
+        # before any model is loaded; config.yaml holds the choice, so that --resume rounds as the run began
+        cfg = self.cfg = cfg.model_copy(update={"gemm": self.gemm.name})
 
         torch.manual_seed(cfg.seed)
         self.learner = Learner.from_config(cfg, model_dir, self.dist)
@@ -161,7 +167,7 @@ class Trainer:
                  f"{plural(t.prompts_per_step, 'prompt')} x {plural(r.n, 'sample')} per step, {plural(t.steps, 'step')}; "
                  f"precision {self.prec.label}"
                  f"{'' if r.quantization == 'none' else f', rollout weights {r.quantization}'}, engine {cfg.engine}"
-                 f"{ahead}, world size {self.dist.world_size}; {self.threads}")
+                 f"{ahead}, world size {self.dist.world_size}; {self.threads}; {self.gemm}")
         self.log(f"[train] {self._method_line()}")
         if self.ledger is not None:
             p = self.ledger.plan
@@ -182,8 +188,8 @@ class Trainer:
         n = sum(p.numel() for p in self.learner.model.parameters())
         c = cfg.checkpoint
         when = " and ".join(x for x in (f"every {plural(c.every, 'step')}" if c.every else "",
-                                        f"every {c.every_minutes:g} min" if c.every_minutes else "") if x) or "at the end"
-        self.log(f"[train] checkpoints: {when}, on SIGTERM / Ctrl-C and at the end; ≈{12 * n / 2**30:.2g} GiB "
+                                        f"every {c.every_minutes:g} min" if c.every_minutes else "") if x)
+        self.log(f"[train] checkpoints: {when + ', ' if when else ''}on SIGTERM / Ctrl-C and at the end; ≈{12 * n / 2**30:.2g} GiB "
                  f"each (fp32 weights + AdamW state), {c.keep} kept (checkpoint.every, every_minutes, keep)")
 
     def _method_line(self) -> str:
@@ -606,6 +612,20 @@ class Trainer:
         self.step = state["step"]
         self.source.resume(self.learner, self.step)
         return None
+
+
+def _resumed_gemm(cfg: Config, run_dir: Path) -> str:
+    """``gemm: auto`` on --resume: the library the run chose at its start (its config.yaml), so that the
+    resumed steps round as the first ones did; an explicit choice is taken as given."""
+    import yaml
+
+    if cfg.gemm != "auto":
+        return cfg.gemm
+    try:
+        saved = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8")) or {}).get("gemm")
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, AttributeError):
+        return cfg.gemm
+    return saved if saved in ("blas", "onednn") else cfg.gemm
 
 
 def _numpy_arrays() -> list:

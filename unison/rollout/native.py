@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unison import gemm
 from unison.batch import Completion
 from unison.errors import UnisonError
 from unison.exact import ExactForward, full_allowed
@@ -361,7 +362,7 @@ class _FastBackend(_CacheBackend):
         for layer, (kc, vc), ((qkv_w, qkv_b, qkv_n), (gu_w, gu_b, gu_n)) in zip(core.layers, self.cache, eng._fused):
             attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm(h)
-            q, k, v = F.linear(x, qkv_w, qkv_b).split(qkv_n, dim=-1)
+            q, k, v = gemm.linear(x, qkv_w, qkv_b).split(qkv_n, dim=-1)
             q = q.view(b, s, -1, attn.head_dim)
             k = k.view(b, s, -1, attn.head_dim)
             v = v.view(b, s, -1, attn.head_dim).transpose(1, 2)
@@ -373,7 +374,7 @@ class _FastBackend(_CacheBackend):
             o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
                                                scale=attn.scaling, enable_gqa=True)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
-            gate, up = F.linear(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
+            gate, up = gemm.linear(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         if want is not None:
             return core.norm(h[want])

@@ -372,8 +372,10 @@ class NativeWorkerBackend:
         cores = budget()  # this process's threads (the run's `threads`), split between the worker and the learner
         threads = r.worker_threads or max(1, cores // 2)
         self.learner_threads = max(1, cores - threads)
+        from unison import gemm
+
         spec = WorkerSpec(str(model_dir), dtype, device, r.quantization, r.quant_group_size, threads,
-                          dist.rank, dist.world_size)
+                          dist.rank, dist.world_size, gemm.current())
         shapes = [(n, tuple(t.shape)) for n, t in learner.export_weights(None)]
         check_shared_memory(shapes, r.max_staleness + 1, dist)
         self.worker = EngineWorker(spec, shapes, slots=r.max_staleness + 1, timeout_s=r.worker_timeout_s)

@@ -111,6 +111,8 @@ class WorkerSpec:
     threads: int
     dp_rank: int
     dp_size: int
+    #: the run's fp32 matmul library (unison/gemm.py), decided by the trainer
+    gemm: str = "blas"
 
 
 # ------------------------------------------------------------------ frames on a pipe
@@ -250,6 +252,9 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C and SIGTERM to the process group are the
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # trainer's to handle: it saves, then stops us
     torch.set_num_threads(spec.threads)
+    from unison import gemm
+
+    gemm.use(spec.gemm)
     out = _Outbox(results.fileno())
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_serve_commands, args=(cmds.fileno(), inbox), daemon=True,

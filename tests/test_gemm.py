@@ -1,0 +1,227 @@
+"""The CPU's fp32 matmul library (unison/gemm.py), the fused output layer of the learner's log-probs
+(learner._HeadLogp), the last log-prob chunk kept rather than recomputed, and fused AdamW: what each
+computes is held to the old path's numbers (fp32 rounding) or to numbers worked out by hand."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from unison import gemm, learner
+from unison.config import load_config
+from unison.errors import UnisonError
+from unison.trainer import Trainer
+
+needs_onednn = pytest.mark.skipif(not gemm.onednn_available(), reason="this torch has no oneDNN")
+BASE = ["task.digits=1", "task.train_size=16", "task.eval_size=0", "rollout.n=4", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=4", "train.lr=1e-3", "log.console=false", "log.tensorboard=false",
+        "checkpoint.every_minutes=0"]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# ----------------------------------------------------------------------------- the setting
+def test_gemm_setting_is_auto_blas_or_onednn():
+    assert load_config(None, []).gemm == "auto"
+    assert load_config(None, ["gemm=oneDNN"]).gemm == "onednn"
+    with pytest.raises(UnisonError, match="gemm 'mkl' is not one of auto, blas, onednn"):
+        load_config(None, ["gemm=mkl"])
+
+
+def test_auto_measures_only_where_the_library_can_matter(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm, "measure", lambda h, i: calls.append((h, i)) or (2.0, True))
+    big = 135_000_000
+    assert gemm.decide("auto", 576, 1536, 800_000).name == "blas"  # the tiny model: nothing measured
+    assert gemm.decide("auto", 576, 1536, big, device="cuda").name == "blas"
+    assert gemm.decide("auto", 576, 1536, big, world_size=2).name == "blas"
+    assert gemm.decide("auto", 576, 1536, big, fp32=False).name == "blas"
+    assert calls == []
+    g = gemm.decide("auto", 576, 1536, big)
+    assert calls == [(576, 1536)] and g.name == "onednn" and "2.0x BLAS" in str(g)
+    for ratio, agree, want in ((1.2, True, "blas"), (1.3, True, "onednn"), (3.0, False, "blas")):
+        monkeypatch.setattr(gemm, "measure", lambda h, i, r=ratio, a=agree: (r, a))
+        assert gemm.decide("auto", 576, 1536, big).name == want, (ratio, agree)
+
+
+def test_an_explicit_onednn_where_it_cannot_route_is_refused_in_one_line():
+    for kw in ({"device": "cuda"}, {"world_size": 2}):
+        with pytest.raises(UnisonError, match="gemm onednn routes one process's CPU matmuls") as e:
+            gemm.decide("onednn", 0, 0, 0, **kw)
+        assert "\n" not in str(e.value)
+
+
+@needs_onednn
+def test_measure_times_both_and_finds_them_agreeing():
+    ratio, agree = gemm.measure(64, 128, rows=16, rounds=1)
+    assert agree and math.isfinite(ratio) and ratio > 0
+
+
+# ----------------------------------------------------------------------------- the oneDNN linear
+@needs_onednn
+@pytest.mark.parametrize("shape", [(7, 24), (2, 5, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_onednn_linear_and_its_gradients_equal_torchs_to_fp32_rounding(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(40, 24, generator=g, requires_grad=True)
+    b = torch.randn(40, generator=g, requires_grad=True) if bias else None
+    up = torch.randn(*shape[:-1], 40, generator=g)
+    gemm.use("onednn")
+    y = gemm.linear(x, w, b)
+    assert y.grad_fn is not None and "Linear" in type(y.grad_fn).__name__  # the oneDNN function, not F.linear
+    (y * up).sum().backward()
+    got = [y.detach(), x.grad, w.grad] + ([b.grad] if bias else [])
+    for t in (x, w, b):
+        if t is not None:
+            t.grad = None
+    ref_y = F.linear(x, w, b)
+    (ref_y * up).sum().backward()
+    ref = [ref_y.detach(), x.grad, w.grad] + ([b.grad] if bias else [])
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape and _rel(a, r) < 1e-6
+
+
+def test_blas_bf16_and_autocast_keep_torchs_own_path():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    gemm.use("blas")
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+    gemm.use("onednn")
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(gemm.linear(xb, wb), F.linear(xb, wb))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gemm.linear(x, w)
+    assert y.dtype == torch.bfloat16
+
+
+@needs_onednn
+def test_apply_routes_a_models_linears_and_leaves_its_parameters(tiny_dir):
+    from unison.models import load_model
+
+    gemm.use("blas")
+    plain = load_model(tiny_dir)
+    assert all("forward" not in vars(m) for m in plain.modules())  # blas: nothing touched
+    gemm.use("onednn")
+    routed = load_model(tiny_dir)
+    linears = [m for m in routed.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(vars(m).get("forward") is not None for m in linears)
+    assert routed.state_dict().keys() == plain.state_dict().keys()
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        a, b = routed(ids).logits, plain(ids).logits
+    assert _rel(a, b) < 1e-5
+
+
+# ----------------------------------------------------------------------------- a run
+@needs_onednn
+def test_a_run_on_onednn_trains_records_its_choice_and_resumes_with_it(tmp_path, capsys):
+    cfg = load_config(None, [*BASE, "gemm=onednn", "train.steps=2"])
+    messages = []
+    t = Trainer(cfg, tmp_path / "run", log=messages.append)
+    assert any("fp32 matmuls onednn (gemm: onednn)" in m for m in messages)
+    t.fit()
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["gemm"] == "onednn"
+    from unison.data_io import read_metrics
+
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    # the engine and the learner both on oneDNN: fp32 rounding-level mismatch, as on BLAS
+    assert all(r["mismatch/k3"] < 1e-9 for r in rows)
+    gemm.use("blas")
+    again = load_config(None, [*BASE, "gemm=auto", "train.steps=3"])  # auto on resume: the run's own choice
+    messages.clear()
+    Trainer(again, tmp_path / "run", resume=True, log=messages.append).fit()
+    assert gemm.current() == "onednn"
+    assert any("fp32 matmuls onednn (gemm: onednn)" in m for m in messages)
+
+
+def test_auto_on_the_tiny_model_says_why_it_keeps_blas(tmp_path):
+    messages = []
+    Trainer(load_config(None, [*BASE, "train.steps=1"]), tmp_path / "run", log=messages.append)
+    line = next(m for m in messages if "fp32 matmuls" in m)
+    assert "fp32 matmuls blas (auto: a 0.8M-parameter model's matmuls are too small to measure)" in line, line
+
+
+# ----------------------------------------------------------------------------- the fused output layer
+def test_the_fused_head_gives_hand_computed_log_probs_entropy_and_gradient():
+    # one row, h = [1, 0], W rows [1, 0], [0, 1], [-1, 0]  ->  z = [1, 0, -1]; target 0, temperature 1
+    head = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]))
+    h = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    lp, ent = learner._head_logp(h, torch.tensor([0]), head, 1.0, None, True)
+    e = [math.exp(1), 1.0, math.exp(-1)]
+    s = sum(e)
+    p = [v / s for v in e]
+    assert float(lp.detach()) == pytest.approx(1 - math.log(s), abs=1e-6)  # 0.5924
+    assert float(ent.detach()) == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-6)  # 0.8324
+    lp.sum().backward()
+    # d log p_0 / dz = onehot(0) − p;  dh = (onehot − p)·W,  dW = (onehot − p)ᵀ·h
+    gz = [1 - p[0], -p[1], -p[2]]
+    assert h.grad[0].tolist() == pytest.approx([gz[0] - gz[2], gz[1]], abs=1e-6)
+    assert head.weight.grad[:, 0].tolist() == pytest.approx(gz, abs=1e-6)
+    assert head.weight.grad[:, 1].tolist() == pytest.approx([0, 0, 0], abs=1e-7)
+
+
+@pytest.mark.parametrize("choice", ["blas", "onednn"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_head_equals_the_unfused_path(choice, temperature):
+    if choice == "onednn" and not gemm.onednn_available():
+        pytest.skip("no oneDNN")
+    gemm.use(choice)
+    g = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=True)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    t, up = torch.randint(0, 50, (37,), generator=g), torch.randn(37, generator=g)
+    out = []
+    for transform in (None, lambda z: z):  # an identity transform takes the unfused path
+        lp, ent = learner._head_logp(h, t, head, temperature, transform, True)
+        (lp * up).sum().backward()
+        out.append([lp.detach(), ent, h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()])
+        h.grad = None
+        head.zero_grad()
+    for a, b in zip(*out):
+        assert _rel(a, b) < 1e-6
+
+
+def test_the_last_log_prob_chunk_is_kept_and_the_others_recomputed(monkeypatch, tiny_dir):
+    from unison.models import load_model
+
+    model = learner.PolicyForward(load_model(tiny_dir))
+    calls = []
+    real = learner._head_logp
+    monkeypatch.setattr(learner, "_head_logp", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    tokens = torch.randint(3, 20, (2, 9))
+    grads = {}
+    for chunk in (0, 6):  # one chunk of 16 positions; chunks of 6, 6 and 4
+        calls.clear()
+        lp, _ = model(tokens, torch.ones_like(tokens), chunk=chunk)
+        lp.sum().backward()
+        grads[chunk] = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        # forward: each chunk once; backward: every chunk but the last once more
+        assert calls == ([16] if chunk == 0 else [6, 6, 4, 6, 6]), (chunk, calls)
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(grads[0], grads[6]) if b.abs().max() > 0)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+def test_adamw_is_fused_for_plain_parameters_and_steps_as_the_loop_does():
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(4, generator=g))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused = learner.adamw(params, lr=1e-2, weight_decay=0.1)
+    loop = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    assert fused.defaults["fused"] is True
+    for i in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for p, q, gr in zip(params, ref, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        fused.step()
+        loop.step()
+    for p, q in zip(params, ref):
+        assert _rel(p.detach(), q.detach()) < 1e-6
