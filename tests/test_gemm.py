@@ -225,3 +225,21 @@ def test_adamw_is_fused_for_plain_parameters_and_steps_as_the_loop_does():
         loop.step()
     for p, q in zip(params, ref):
         assert _rel(p.detach(), q.detach()) < 1e-6
+
+
+def test_a_small_model_keeps_the_unfused_head_and_for_each_adamw(tiny_dir):
+    from unison.models import load_model
+    from unison.threads import SMALL_MODEL, small_model
+
+    tiny = load_model(tiny_dir)
+    assert small_model(tiny) and not learner.PolicyForward(tiny).fused_head
+    assert learner.adamw(list(tiny.parameters()), not small_model(tiny), lr=1e-3).defaults["fused"] is False
+    big = torch.nn.Linear(3200, 3200)  # 10,243,200 parameters
+    assert big.weight.numel() + big.bias.numel() >= SMALL_MODEL and not small_model(big)
+    # the tiny model's head takes the unfused path: a transform-free call records no _HeadLogp node
+    h = torch.randn(4, tiny.config.hidden_size, requires_grad=True)
+    lp, _ = learner._head_logp(h, torch.tensor([1, 2, 3, 4]), tiny.get_output_embeddings(), 1.0, None, False, None,
+                               False)
+    assert "HeadLogp" not in type(lp.grad_fn).__name__
+    lp, _ = learner._head_logp(h, torch.tensor([1, 2, 3, 4]), tiny.get_output_embeddings(), 1.0, None, False)
+    assert "HeadLogp" in type(lp.grad_fn).__name__

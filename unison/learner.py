@@ -51,6 +51,7 @@ from unison.models import (PACKED_ATTENTION, load_model, load_tokenizer, logit_t
                             packed_kwargs, use_packed_attention)
 from unison.precision import Precision, autocast
 from unison.rollout.base import support_logsumexp
+from unison.threads import small_model
 
 #: positions per chunk of the output layer (``train.logprob_chunk``'s default)
 DEFAULT_CHUNK = 512
@@ -58,11 +59,12 @@ DEFAULT_CHUNK = 512
 
 # ----------------------------------------------------------------------------- log-probs
 def _head_logp(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float,
-               transform, want_entropy: bool, support: torch.Tensor | None = None):
+               transform, want_entropy: bool, support: torch.Tensor | None = None, fused: bool = True):
     """log p(target) and entropy for rows of hidden states ``h`` [N, d] (fp32 softmax). ``support`` [N]:
     the size of the support each target was sampled from (sampling-mask replay; 0 = the vocabulary):
-    log p is then renormalised over it. The entropy is always the full distribution's."""
-    if transform is None and support is None and _fused_head(h, head):
+    log p is then renormalised over it. The entropy is always the full distribution's. ``fused``: allow
+    :class:`_HeadLogp` where it applies (:attr:`PolicyForward.fused_head`)."""
+    if fused and transform is None and support is None and _fused_head(h, head):
         return _HeadLogp.apply(h, head.weight, head.bias, targets, temperature, want_entropy)
     logits = head(h).float()
     if transform is not None:
@@ -141,6 +143,8 @@ class PolicyForward(torch.nn.Module):
         super().__init__()
         self.lm = lm
         self._transform = logit_transform(lm.config)
+        #: the fused output layer (:class:`_HeadLogp`) where it applies; a small model keeps the plain path
+        self.fused_head = not small_model(lm)
         #: MoE: when > 0, training forwards also compute the router's load-balancing loss
         #: (``last_aux_loss``), which the learner adds with this weight
         self.aux_loss_coef = aux_loss_coef
@@ -182,7 +186,7 @@ class PolicyForward(torch.nn.Module):
         step = chunk if chunk and chunk > 0 else max(hs.shape[0], 1)
         for s in range(0, hs.shape[0], step):
             args = (hs[s:s + step], tg[s:s + step], head, temperature, self._transform, return_entropy,
-                    sup[s:s + step] if sup is not None else None)
+                    sup[s:s + step] if sup is not None else None, self.fused_head)
             if torch.is_grad_enabled() and hs.requires_grad and s + step < hs.shape[0]:
                 lp, en = checkpoint(_head_logp, *args, use_reentrant=False)
             else:
@@ -261,12 +265,13 @@ class UpdateStats:
     routing_first: torch.Tensor | None = None
 
 
-def adamw(params: list[torch.nn.Parameter], **kwargs) -> torch.optim.AdamW:
+def adamw(params: list[torch.nn.Parameter], fused: bool = True, **kwargs) -> torch.optim.AdamW:
     """AdamW, fused (one kernel over each parameter, in place) where torch has it for these parameters: plain
     (unsharded) floating tensors on the CPU or CUDA. The for-each-tensor default allocates a temporary per
     parameter per step (on the CPU each is page-faulted in afresh: 0.3–2.4 s per step for SmolLM2-135M against
-    0.08 s fused, measured on an AMD EPYC); it rounds alike to ~5e-8 relative."""
-    fused = bool(params) and all(type(p) is torch.nn.Parameter and p.is_floating_point()
+    0.08 s fused, measured on an AMD EPYC); it rounds alike to ~5e-8 relative. ``fused=False``: the
+    for-each default (a small model: :func:`unison.threads.small_model`)."""
+    fused = fused and bool(params) and all(type(p) is torch.nn.Parameter and p.is_floating_point()
                                  and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, fused=fused, **kwargs)
 
@@ -431,7 +436,8 @@ class Learner:
         self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
         self.policy = resolve_policy(cfg.algo, cfg.policy)
         self.params = [p for p in self.forward_module.parameters() if p.requires_grad]
-        self.opt = adamw(self.params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+        self.opt = adamw(self.params, not small_model(self.forward_module), lr=t.lr, betas=tuple(t.betas), eps=t.eps,
+                         weight_decay=t.weight_decay)
         if self.sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

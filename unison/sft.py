@@ -23,6 +23,7 @@ from unison.learner import adamw, token_logprobs
 from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir, unknown_characters
 from unison.rollout import make_engine
 from unison.tasks import make_reward, make_task
+from unison.threads import small_model
 
 
 def _examples(task, tokenizer):
@@ -86,7 +87,7 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
     if unknown:
         log(f"[sft] WARNING {unknown}")
     rng = random.Random(cfg.seed)
-    opt = adamw(list(model.parameters()), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = adamw(list(model.parameters()), not small_model(model), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
     s = cfg.sft
     t0 = time.perf_counter()
     for step in range(s.steps):

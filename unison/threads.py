@@ -41,6 +41,16 @@ from unison.errors import UnisonError
 #: below this many parameters a model's ops are too small for a second thread to pay (the built-in
 #: tiny model, 0.8M: 1 thread; SmolLM2-135M's matmuls scale with threads); benchmarks/threads.py
 SMALL_MODEL = 10_000_000
+
+
+def small_model(model) -> bool:
+    """Under :data:`SMALL_MODEL` parameters (the built-in tiny model's class). Such a model keeps torch's
+    plain paths — BLAS matmuls, the unfused output layer, for-each AdamW: at its size the fused ones gain
+    nothing, and its documented runs (the demo, docs/experiments) keep their bits, which decide a one-seed
+    run's path."""
+    return sum(p.numel() for p in model.parameters()) < SMALL_MODEL
+
+
 #: seconds of /proc/stat sampled to see how many cores are idle
 SAMPLE_S = 0.25
 #: environment variables through which a user sets the thread count of torch's OpenMP pool
