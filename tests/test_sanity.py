@@ -182,3 +182,14 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model):
     assert all(r["mismatch/k3"] < 1e-9 for r in cured)  # π is the policy μ samples from
     assert "quantization_aware=true reached" in capsys.readouterr().out
     assert main(args) == 0  # everything reused
+
+
+def test_demo_verdict_claims_a_cure_only_after_a_collapse():
+    """The headline's verdict: a collapse is a run that fell and ends under 95% of the clean run (0.95·0.88 =
+    0.836); the README's run (0.79 → 0.56, cured 0.87) is a cure, a run that rose is no collapse whatever its gap."""
+    from unison.demo import _verdict
+
+    assert _verdict(0.79, 0.56, 0.87, 0.88).endswith("quantizer cured it")
+    assert _verdict(0.79, 0.56, 0.80, 0.88).endswith("did not cure it")  # 0.80 < 0.836
+    assert _verdict(0.64, 0.83, 0.86, 0.91).startswith("here the int4 run did not collapse (it rose")  # the rounding path
+    assert "ended within 5% of the clean run" in _verdict(0.90, 0.86, 0.90, 0.88)  # fell, but 0.86 >= 0.836

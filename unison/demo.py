@@ -85,11 +85,20 @@ def _headline(trio, quantization) -> str:
         terms = [k for k in last if k.startswith("ledger/") and k.endswith("_k3") and k != "ledger/total_k3"]
         tot = sum(max(last[k], 0.0) for k in terms) or 1.0
         share = f"; the ledger put {100 * max(last['ledger/quantization_k3'], 0.0) / tot:.0f}% of its mismatch on quantization"
-    verdict = "cured it" if cured >= 0.95 * clean and broken < 0.95 * clean else \
-        "did not cure it" if cured < 0.95 * clean else "— and here the int4 run did not collapse"
     return (f"{quantization} rollout weights: GRPO went from {start:.2f} to {broken:.2f} training accuracy (last 10 steps)"
             f"{share}; the same run with train.quantization_aware=true reached {cured:.2f}, the clean run {clean:.2f}: "
-            f"computing the learner through the rollout's quantizer {verdict}")
+            f"{_verdict(start, broken, cured, clean, quantization)}")
+
+
+def _verdict(start: float, broken: float, cured: float, clean: float, quantization: str = "int4") -> str:
+    """What part 2 showed. A collapse is a run that fell (ends below where it started) and ends under 95% of the
+    clean run; only then can the cure be judged: it cured it if it ends at 95% of the clean run or above."""
+    if not (broken < start and broken < 0.95 * clean):
+        how = "rose" if broken >= start else "ended within 5% of the clean run"
+        return (f"here the {quantization} run did not collapse (it {how}; the collapse is one seed's path, "
+                f"docs/experiments/cures.md has 3 seeds), so this run cannot show the cure")
+    cure = "cured it" if cured >= 0.95 * clean else "did not cure it"
+    return f"computing the learner through the rollout's quantizer {cure}"
 
 
 def write_demo_report(out: Path, prec_dirs, trio, labels, headline: str, cfg1: Config, cfg2: Config,
