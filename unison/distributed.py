@@ -18,6 +18,7 @@ then holds only this rank's shard of the fp32 master weights.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -147,7 +148,15 @@ def init_distributed(device: str = "cpu", timeout_s: float = 600.0) -> Dist:
                                 **({"device_id": dev} if backend == "nccl" else {}))
     mesh = init_device_mesh(dev_type, (world,), mesh_dim_names=("dp",))
     _CURRENT = Dist(rank=rank, world_size=world, local_rank=local, enabled=True, device=dev, mesh=mesh)
+    # a process that exits with the group alive (a script driving Trainer, an error path) can abort in gloo's
+    # teardown ("terminate called without an active exception", SIGABRT) once the interpreter is finalising:
+    # end the group while Python is still alive (a no-op after close())
+    atexit.register(_close_current)
     return _CURRENT
+
+
+def _close_current() -> None:
+    _CURRENT.close()
 
 
 def decoder_layers(lm) -> list[torch.nn.Module]:
