@@ -151,12 +151,8 @@ def init_distributed(device: str = "cpu", timeout_s: float = 600.0) -> Dist:
     # a process that exits with the group alive (a script driving Trainer, an error path) can abort in gloo's
     # teardown ("terminate called without an active exception", SIGABRT) once the interpreter is finalising:
     # end the group while Python is still alive (a no-op after close())
-    atexit.register(_close_current)
+    atexit.register(_CURRENT.close)
     return _CURRENT
-
-
-def _close_current() -> None:
-    _CURRENT.close()
 
 
 def decoder_layers(lm) -> list[torch.nn.Module]:
