@@ -1,6 +1,7 @@
 """The cures the field ships (issue 27), against numbers computed by hand: IcePop, IPO, M2PO, the
 DPPO-KL divergence, the mismatch-budget LR."""
 
+import json
 import math
 
 import pytest
@@ -77,6 +78,20 @@ def test_ipo_ratios_outside_every_band_and_the_cap():
     assert capped[0, 1].item() == pytest.approx(-0.01 * math.log(0.01 / 40) + 1e-3 * math.log(1 / 40) ** 2, rel=1e-5)
 
 
+def test_ipo_preset_caps_the_ratio_weight_at_1e4_as_prime_rl():
+    """μ = 1e-6 (π_old under bypass), π = 0.05: |π − μ| = 0.05 ≤ ε is kept; its weight r = 5e4 is capped at 1e4
+    (prime-rl's max_importance_ratio), the gradient −A·1e4·∇log π."""
+    pol = resolve_policy("ipo", PolicyConfig())
+    kw = loss_kwargs(pol)
+    assert kw["loss_c"] == 1e4
+    logp = torch.tensor([[math.log(0.05)]], requires_grad=True)
+    mu = torch.tensor([[math.log(1e-6)]])
+    per_tok, met = LOSSES["ipo"](logp, mu, mu, torch.tensor([1.0]), torch.ones(1, 1), torch.ones(1, 1), **kw)
+    assert met["policy/ipo_masked_fraction"] == 0.0
+    per_tok.sum().backward()
+    assert logp.grad.item() == pytest.approx(-1e4 + 2e-3 * math.log(5e4), rel=1e-5)
+
+
 def test_ipo_preset_is_bypass_anchored_and_refuses_a_bad_band():
     pol = resolve_policy("ipo", PolicyConfig())
     assert (pol["loss"], pol["anchor"], pol["bypass"]) == ("ipo", "bypass", True)
@@ -98,37 +113,85 @@ def _m2_inputs():
 
 def test_m2po_masks_the_largest_second_moments_over_the_whole_batch():
     old, mu, mask = _m2_inputs()
-    w, m = CORRECTIONS["m2po"](old, mu, mask, c=0.04)
+    w, m = CORRECTIONS["m2po_mask"](old, mu, mask, c=0.04)
     # m2 = 0.25, 0.01, 0.09, 0.0025: mean 0.088125 >= 0.04; without the largest 0.1025 / 3 = 0.034167 < 0.04
     assert w.tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     assert m["correction/m2_before"] == pytest.approx(0.088125, rel=1e-5)
     assert m["correction/m2_after"] == pytest.approx(0.1025 / 3, rel=1e-5)
     assert m["correction/masked_fraction"] == pytest.approx(0.25)
     # row by row, row 0 alone (mean 0.1167, then 0.05) would also lose its −0.3 token: the batch keeps it
-    w0, _ = CORRECTIONS["m2po"](old[:1], mu[:1], mask[:1], c=0.04)
+    w0, _ = CORRECTIONS["m2po_mask"](old[:1], mu[:1], mask[:1], c=0.04)
     assert w0.tolist() == [[0.0, 1.0, 0.0]]
 
 
 def test_m2po_keeps_only_the_smallest_when_no_k_reaches_the_bound():
     old, mu, mask = _m2_inputs()
-    w, m = CORRECTIONS["m2po"](old, mu, mask, c=1e-3)  # suffix means 0.088, 0.034, 0.00625, 0.0025: none < 1e-3
+    w, m = CORRECTIONS["m2po_mask"](old, mu, mask, c=1e-3)  # suffix means 0.088, 0.034, 0.00625, 0.0025: none < 1e-3
     assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     assert m["correction/m2_after"] == pytest.approx(0.0025, rel=1e-4)
     # on-policy: nothing to mask
-    w1, m1 = CORRECTIONS["m2po"](mu, mu, mask, c=0.04)
+    w1, m1 = CORRECTIONS["m2po_mask"](mu, mu, mask, c=0.04)
     assert torch.equal(w1, mask) and m1["correction/m2_before"] == 0.0
     # an all-masked batch: zero weights, no error
-    w2, _ = CORRECTIONS["m2po"](old, mu, torch.zeros(3, 3), c=0.04)
+    w2, _ = CORRECTIONS["m2po_mask"](old, mu, torch.zeros(3, 3), c=0.04)
     assert float(w2.abs().sum()) == 0.0
 
 
-def test_grpo_m2po_preset_and_bad_tau():
+def _areal_batch():
+    """Two rows: log π_old − log μ = [0.1, −0.2, 0.5] and [ln 6, 0.0, (padding)]."""
+    mu = torch.full((2, 3), -1.0)
+    d = torch.tensor([[0.1, -0.2, 0.5], [math.log(6.0), 0.0, 0.0]])
+    return mu + d, mu, torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_grpo_m2po_is_arealss_decoupled_m2po_on_a_hand_computed_batch():
+    """AReaL's M2PO: the decoupled loss's behaviour weight ρ = π_old/μ on the tokens M2PO keeps, a token with ρ > 5
+    masked (rejection_sampling upper 5, action mask). By hand, τ = 0.04: m2 = 0.01, 0.04, 0.25, ln²6 = 3.2104, 0;
+    sorted suffix means 0.702, 0.075, 0.01667 < τ: the 2 largest (ln 6, 0.5) are masked; the kept weights are
+    e^0.1, e^−0.2, e^0 = 1.10517, 0.81873, 1. With τ = 1 nothing is masked by M2 (0.702 < 1) and the ln 6 token
+    (ρ = 6 > 5) is masked by the cap."""
     pol = resolve_policy("grpo_m2po", PolicyConfig())
-    assert (pol["loss"], pol["correction"], correction_kwargs(pol)["c"]) == ("ppo_clip", "m2po", 0.04)
+    assert (pol["loss"], pol["correction"], pol["anchor"]) == ("ppo_clip", "m2po", "recompute")
+    assert correction_kwargs(pol) == {"c": 0.04, "cap": 5.0}
+    old, mu, mask = _areal_batch()
+    w, m = CORRECTIONS["m2po"](old, mu, mask, **correction_kwargs(pol))
+    want = torch.tensor([[math.exp(0.1), math.exp(-0.2), 0.0], [0.0, 1.0, 0.0]])
+    assert torch.allclose(w, want, rtol=1e-6, atol=0)
+    assert m["correction/m2_masked_fraction"] == pytest.approx(2 / 5)
+    assert m["correction/behave_masked_fraction"] == 0.0
+    assert m["correction/m2_before"] == pytest.approx((0.01 + 0.04 + 0.25 + math.log(6) ** 2) / 5, rel=1e-5)
+    assert m["correction/m2_after"] == pytest.approx(0.05 / 3, rel=1e-5)
+    w, m = CORRECTIONS["m2po"](old, mu, mask, c=1.0, cap=5.0)
+    want = torch.tensor([[math.exp(0.1), math.exp(-0.2), math.exp(0.5)], [0.0, 1.0, 0.0]])
+    assert torch.allclose(w, want, rtol=1e-6, atol=0)
+    assert m["correction/behave_masked_fraction"] == pytest.approx(1 / 5) and m["correction/m2_masked_fraction"] == 0.0
+    # the mask-only variant, kept under its own name: the same M2 mask, no behaviour weight
+    pol = resolve_policy("grpo_m2po_mask", PolicyConfig())
+    w, _ = CORRECTIONS[pol["correction"]](old, mu, mask, **correction_kwargs(pol))
+    assert w.tolist() == [[1.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
+    # in the decoupled loss the PPO ratio is clipped around π_old and the weight multiplies each token's term
+    logp = old.clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    per_tok, _ = LOSSES["ppo_clip"](logp, old, mu, adv, CORRECTIONS["m2po"](old, mu, mask)[0], mask, clip=0.2)
+    assert torch.allclose(per_tok.detach(), -want.new_tensor([[1.0], [-1.0]]) * CORRECTIONS["m2po"](old, mu, mask)[0])
+
+
+def test_grpo_m2po_preset_and_bad_input():
     with pytest.raises(UnisonError, match="policy.correction_c"):
         config_from_dict({"algo": "grpo_m2po"}, ["policy.correction_c=0"])
+    with pytest.raises(UnisonError, match="policy.correction_cap"):
+        config_from_dict({"algo": "grpo_m2po"}, ["policy.correction_cap=-1"])
     with pytest.raises(UnisonError, match="token-level correction 'm2po'"):
         resolve_policy("gspo", PolicyConfig(correction="m2po"))
+    with pytest.raises(UnisonError, match="interpolates per mini-batch"):
+        resolve_policy("grpo_m2po", PolicyConfig(anchor="loglinear"))
+
+
+@pytest.mark.parametrize("algo", ["grpo_m2po", "grpo_icepop", "grpo_token_tis"])
+def test_a_correction_with_mu_as_pi_old_is_refused_not_silently_a_no_op(algo):
+    with pytest.raises(UnisonError, match="ρ = π_old/μ ≡ 1"):
+        resolve_policy(algo, PolicyConfig(anchor="bypass"))
+    assert resolve_policy("grpo", PolicyConfig(anchor="bypass"))["correction"] == "none"
 
 
 # ------------------------------------------------------------------ DPPO-KL divergence
@@ -176,6 +239,46 @@ def test_mismatch_budget_config_metric_default_and_bad_input():
         config_from_dict({}, ["train.mismatch_budget.down=1.0"])
     with pytest.raises(UnisonError, match="train.mismatch_budget.up must be above 1"):
         config_from_dict({}, ["train.mismatch_budget.up=0.9"])
+
+
+def test_mismatch_budget_without_its_metric_warns_once_and_says_so_in_the_summary(tmp_path, capsys):
+    """A metric the run never logs (misspelled here) held the LR silently with budget_state 0, which reads as
+    "within budget": the step now says schedule/budget_missing, the run warns once naming the nearest metric, and
+    the summary and the done line count the steps."""
+    from unison.cli import main
+    from unison.data_io import read_metrics
+
+    (tmp_path / "r.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    (tmp_path / "c.yaml").write_text("seed: 0\n")
+    args = ["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")] + [f"--set={s}" for s in [
+        "task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=4", "train.steps=2", "log.tensorboard=false", "train.schedule=mismatch_budget",
+        "train.mismatch_budget.metric=mismatch/k3x", f"task.reward={tmp_path / 'r.py'}:reward",
+        "task.truncated_reward=null"]]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    text = out.err + out.out
+    assert text.count("train.schedule=mismatch_budget watches 'mismatch/k3x'") == 1
+    assert "did you mean 'mismatch/k3'?" in text
+    assert "the mismatch budget's metric mismatch/k3x missing on 2 steps (LR held)" in text
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["schedule/budget_missing"] for r in rows] == [1, 1]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mismatch_budget"]["steps_without_metric"] == 2
+
+
+@pytest.mark.parametrize("sets,why", [(["rollout.max_staleness=1", "lora.rank=2"], "LoRA adapters"),
+                                      (["train.mismatch_budget.metric=mismatch/staleness_k3"], "synchronous")])
+def test_mismatch_budget_on_a_metric_the_run_cannot_log_is_refused(tmp_path, capsys, sets, why):
+    from unison.cli import main
+
+    (tmp_path / "c.yaml").write_text("seed: 0\n")
+    args = ["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run"), "--set=train.schedule=mismatch_budget"]
+    args += [f"--set={s}" for s in sets]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "watches mismatch/staleness_k3, which this run never logs" in err and why in err
+    assert "train.mismatch_budget.metric=mismatch/k3" in err and not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------ the quantization-aware learner
@@ -354,3 +457,82 @@ def test_replay_removes_the_kept_mass_from_the_ratio(tiny_dir):
         assert float(k3(replayed, b.logp_mu, m)) < 1e-9
     b = _one_batch(engine)  # no truncation: nothing recorded, nothing replayed
     assert "support" not in b.extras
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_quantization_aware_lora_under_autocast_quantizes_the_engines_fp32_merge(tiny_dir, precision, monkeypatch):
+    """QAT + LoRA in bf16/fp16: the learner merges W + (α/r)·B·A in fp32 outside autocast, as the engine's weight
+    export does, so the int4 codes and scales it computes with are the engine's (before, B @ A ran in the
+    autocast dtype and the codes differed once B ≠ 0)."""
+    from unison import quant
+    from unison.batch import collate
+    from unison.config import LoRAConfig
+    from unison.learner import Learner
+    from unison.precision import DTYPES
+
+    learner = Learner(tiny_dir, compute_dtype=DTYPES[precision], lora_cfg=LoRAConfig(rank=2, alpha=4.0),
+                      quantization_aware=("int4", 64))
+    with torch.no_grad():
+        for n, p in learner.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    seen = []
+    real = quant.straight_through
+    monkeypatch.setattr(quant, "straight_through", lambda w, *a: seen.append(w.detach().clone()) or real(w, *a))
+    from unison.batch import Completion
+
+    b = collate([Completion([1, 5, 7], [9, 11, 2], [-1.0, -1.0, -1.0], "stop")], 0)
+    learner.score(b)
+    engine_side = dict(learner.export_weights(None))  # what the engine quantizes at every sync
+    merged = [engine_side[f"{n}.weight"] for n in learner.qat.lora]
+    assert len(seen) == len(merged) and all(w.dtype == torch.float32 for w in seen)
+    for got in seen:  # the forward's order: each is exactly one of the engine's merged weights
+        want = [w for w in merged if w.shape == got.shape and torch.equal(w, got)]
+        assert len(want) == 1
+        q_l, q_e = quant.quantize(got, "int4"), quant.quantize(want[0], "int4")
+        assert torch.equal(q_l.codes, q_e.codes) and torch.equal(q_l.scale, q_e.scale)
+
+
+def test_m2po_mask_is_the_batchs_whatever_the_micro_batching_and_the_logged_m2_is_the_applied_one(tmp_path,
+                                                                                                monkeypatch):
+    """With the defaults (one mini-batch, fuse_score_pass) a fused π_old exists one micro-batch at a time, and M2PO
+    was evaluated per micro-batch (5-row chunks at micro_batch_tokens 64 masked other tokens than the batch): a
+    batch-level correction now takes the score pass, is computed once over the whole batch, and what the step logs
+    is what it applied."""
+    from unison.algorithms import corrections
+    from unison.config import load_config
+    from unison.data_io import read_metrics
+    from unison.trainer import Trainer
+
+    (tmp_path / "r.py").write_text("def reward(response, item):\n    return len(response) / 10\n")
+    calls = []
+    real = corrections.CORRECTIONS["m2po"]
+
+    def spy(o, mu, m, **kw):
+        w, met = real(o, mu, m, **kw)
+        calls.append((tuple(m.shape), w.clone(), met))
+        return w, met
+
+    monkeypatch.setitem(corrections.CORRECTIONS, "m2po", spy)
+    runs = {}
+    for budget in (64, 4096):
+        calls.clear()
+        cfg = load_config(None, ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4",
+                                 "rollout.max_new_tokens=10", "train.prompts_per_step=8", "train.steps=1",
+                                 "log.console=false", "log.tensorboard=false", "rollout.quantization=int4",
+                                 "rollout.quant_group_size=32", "algo=grpo_m2po", "policy.correction_c=0.002",
+                                 f"train.micro_batch_tokens={budget}", "threads=1",
+                                 f"task.reward={tmp_path / 'r.py'}:reward", "task.truncated_reward=null"])
+        t = Trainer(cfg, tmp_path / f"b{budget}", log=lambda m: None)
+        assert t.anchor == "score"  # not fused: the whole batch's π_old before the update
+        t.fit()
+        assert len(calls) == 1 and calls[0][0][0] == 32  # once, over all 32 rows
+        row = read_metrics(tmp_path / f"b{budget}" / "metrics.jsonl")[0]
+        applied = calls[0][2]
+        for k in ("correction/m2_after", "correction/m2_masked_fraction", "correction/masked_fraction"):
+            assert row[k] == applied[k], k
+        runs[budget] = (calls[0][1], row)
+    (w64, r64), (w4k, r4k) = runs[64], runs[4096]
+    assert 0 < r64["correction/m2_masked_fraction"] < 1  # the mask did something
+    assert torch.equal(w64, w4k)
+    assert r64["optim/grad_norm"] == pytest.approx(r4k["optim/grad_norm"], rel=1e-5)

@@ -308,3 +308,35 @@ def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(env, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["loads"] for r in ranks] == [1, 0]
     assert all(r["same"] and r["buffers"] for r in ranks)
+
+
+def test_quantization_aware_in_bf16_gathers_fp32_masters_and_refuses_compute_gathering(env, tmp_path):
+    """QAT quantizes the weight FSDP2 gathers: in bf16 the default gathers the fp32 masters (what the engine
+    quantizes), so two ranks carry one process's mismatch (bf16's level, not int4's); distributed.param_dtype=compute
+    (bf16 gathering: other scales and codes than the engine's) is refused in one line, exit 2, nothing written."""
+    quant = ["precision=bf16", "rollout.quantization=int4", "train.quantization_aware=true", "train.steps=2"]
+    bad = _train(env, tmp_path, "bad", [*quant, "distributed.param_dtype=compute"])
+    assert bad.returncode != 0 and "unison: error (rank 0): train.quantization_aware quantizes the weight FSDP2" \
+        in bad.stderr and "distributed.param_dtype=fp32" in bad.stderr
+    assert not _our_frames(bad.stderr) and not (tmp_path / "bad").exists()
+    one = _train(env, tmp_path, "one", ["train.micro_batch_size=4", *quant], torchrun=False)
+    two = _train(env, tmp_path, "two", ["train.micro_batch_size=2", *quant])
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    a, b = read_metrics(tmp_path / "one/metrics.jsonl"), read_metrics(tmp_path / "two/metrics.jsonl")
+    # step 1 (same weights, same samples): the same forward numerics on both sides, within bf16's own noise
+    assert a[0]["reward/mean"] == b[0]["reward/mean"]
+    assert b[0]["mismatch/k3"] == pytest.approx(a[0]["mismatch/k3"], rel=0.05)
+    assert a[0]["mismatch/k3"] < 1e-2  # int4's own mismatch on this model is ~0.2: the quantizer is shared
+
+
+def test_m2po_masks_the_same_tokens_on_two_ranks_as_in_one_process(env, tmp_path):
+    """M2PO's mask is over the whole batch's tokens: every rank computes it from the gathered score pass, so two
+    ranks apply (and log) one process's mask."""
+    sets = ["rollout.quantization=int4", "algo=grpo_m2po", "policy.correction_c=0.002", "train.steps=2"]
+    one = _train(env, tmp_path, "one", ["train.micro_batch_size=4", *sets], torchrun=False)
+    two = _train(env, tmp_path, "two", ["distributed.param_dtype=fp32", "train.micro_batch_size=2", *sets])
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    a, b = read_metrics(tmp_path / "one/metrics.jsonl"), read_metrics(tmp_path / "two/metrics.jsonl")
+    assert 0 < a[0]["correction/m2_masked_fraction"] < 1
+    assert a[0]["correction/m2_masked_fraction"] == b[0]["correction/m2_masked_fraction"]
+    assert b[0]["optim/grad_norm"] == pytest.approx(a[0]["optim/grad_norm"], rel=1e-5)

@@ -213,11 +213,29 @@ def test_a_stale_prefix_cache_trips_the_warning(tmp_path, reward, monkeypatch):
     assert max(r["ledger/decode_k3"] for r in later) > ledger.STALE_DECODE_K3
 
 
+def test_a_sync_that_does_not_reach_the_engine_trips_the_warning(tmp_path, reward, monkeypatch):
+    """A weight sync that fails silently leaves the engine sampling with the previous version while it claims the
+    new one: its own prefill agrees with its decode (no decode term), and the gap shows under *engine* — which the
+    decode rule cannot tell from kernels. The ledger compares the engine's weights with what the sync should have
+    loaded, bit for bit, and warns once."""
+    from unison.rollout.native import NativeEngine
+
+    monkeypatch.setattr(NativeEngine, "sync_weights", lambda self, learner: {})  # every sync lost on the way
+    lines = []
+    rows = _fit(tmp_path, "failed", reward + ["train.lr=1e-2"], steps=3, log=lines.append)
+    warned = [x for x in lines if "does not hold the weights it claims" in x]
+    assert len(warned) == 1 and "a sync that did not reach the engine" in warned[0]
+    assert rows[0]["ledger/engine_stale_weights"] == 0.0
+    assert all(r["ledger/engine_stale_weights"] > 0.5 for r in rows[1:])
+    assert all(r["ledger/decode_k3"] < 1e-9 for r in rows)  # the decode rule alone could not see it
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_native_engine_does_not_trip_it(tmp_path, reward, precision):
     lines = []
     rows = _fit(tmp_path, precision, reward + ["train.lr=1e-2", f"precision={precision}"], steps=3, log=lines.append)
-    assert not [x for x in lines if "stale engine" in x]
+    assert not [x for x in lines if "stale engine" in x or "does not hold the weights" in x]
+    assert all(r["ledger/engine_stale_weights"] == 0.0 for r in rows)
     _adds_up(rows, ["decode", "engine"])
     dec = max(r["ledger/decode_k3"] for r in rows)
     assert dec < (1e-9 if precision == "fp32" else ledger.STALE_DECODE_K3)
@@ -339,3 +357,34 @@ def test_runs_of_equal_names_are_told_apart_by_their_experiment(tmp_path):
         "q-int4-grpo/fp32-int4-grpo-s0", "q-int4-grpo/fp32-int4-grpo-s1",
         "q-int4-qat/fp32-int4-grpo-s0", "q-int4-qat/fp32-int4-grpo-s1"]
     assert [s["arm"] for s in summarize_all(dirs[:2])] == ["fp32-int4-grpo-s0", "fp32-int4-grpo-s1"]
+
+
+# ------------------------------------------------------------------ MoE: one change per step of the chain
+def test_the_engines_re_score_replays_the_decode_routing_so_expert_flips_land_in_the_routing_term(tmp_path):
+    """The engine's prefill re-score picked its own experts while "the learner as the engine ran" replays the
+    decode's: an expert flip between decode and prefill landed in the decode term and, with the opposite sign, in
+    the engine term. The re-score now replays the decode routing, so in bf16 (where experts do flip between decode
+    and prefill) the decode and engine terms hold numerics only, and the flips go to the routing term."""
+    from unison import moe, zoo
+    from unison.batch import collate
+    from unison.learner import Learner
+    from unison.mismatch import k3
+    from unison.rollout import SamplingParams, make_engine
+
+    d = zoo.build("qwen3_moe", tmp_path / "moe")
+    eng = make_engine("native", d, torch.bfloat16)
+    ids = [eng.tokenizer(t)["input_ids"] for t in ("12+35=", "7+8=", "99+1=", "3+44=")]
+    params = SamplingParams(n=4, max_tokens=48, seed=1)
+    b = collate(eng.generate(ids, params), eng.pad_id)
+    own_routing = b.select(torch.arange(b.size))
+    own_routing.extras = {}  # the re-score as it was: the prefill picks its own experts
+    recorded = []
+    with moe.record(eng.model, recorded):
+        with_flips = eng.score(own_routing, params, rows_per_pass=b.size)
+    flips = moe.disagreement(b.extras["routing"], recorded[-1].view(*b.tokens.shape, -1, 2), b.response_mask)
+    assert flips > 0  # bf16 flips experts between decode and prefill here: the test can tell the two apart
+    replayed = eng.score(b, params)
+    m, mu = b.response_mask, b.logp_mu
+    learner = Learner(d, compute_dtype=torch.bfloat16, routing_replay=True).score(b)  # "as the engine ran"
+    assert float(k3(replayed, mu, m)) < float(k3(with_flips, mu, m))  # decode term: the flips are gone from it
+    assert float(k3(learner, replayed, m)) < float(k3(learner, with_flips, m))  # and from the engine term

@@ -189,7 +189,7 @@ def test_router_disagreement_by_hand():
 
 
 def test_replay_indices_fill_unknown_positions_with_the_first_k_experts():
-    from unison.learner import _replay_indices
+    from unison.moe import replay_indices as _replay_indices
 
     r = torch.tensor([[[[3, 1]], [[-1, -1]], [[0, 2]]]])  # [rows 1, L 3, layers 1, k 2]
     assert _replay_indices(r).tolist() == [[[3, 1]], [[0, 1]], [[0, 2]]]  # flattened [rows·L, layers, k]
@@ -280,3 +280,26 @@ def test_the_learner_says_where_packing_does_less(zoo):
     assert Learner(zoo["qwen3_moe"], packing=True).packing_note.startswith("off: MoE models keep padded rows")
     assert "eager attention: packed rows use transformers' block-diagonal mask" in \
         Learner(zoo["gemma2"], packing=True).packing_note
+
+
+@pytest.mark.parametrize("arch,targets", [("gpt2", "all-linear"), ("llama", "all-linear")])
+def test_lora_merge_equals_peft_merge_on_non_square_and_conv1d_layers(zoo, arch, targets):
+    """The merged weights the engine gets equal PEFT's own merge_and_unload — GPT-2's Conv1D layers (PEFT transposes
+    their B·A: fan_in_fan_out) and the non-square q/k/v, gate/up/down and c_attn/c_fc projections included."""
+    from unison import lora
+    from unison.config import LoRAConfig
+    from unison.models import load_model
+
+    model = load_model(zoo[arch], dtype=torch.float32)
+    peft_model = lora.apply(model, LoRAConfig(rank=2, alpha=4.0, target_modules=targets), zoo[arch])
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ours = dict(lora.merged_weights(model, lambda t: t))
+    shapes = {tuple(w.shape) for w in ours.values() if w.dim() == 2}
+    assert any(s[0] != s[1] for s in shapes)  # non-square layers are adapted
+    reference = peft_model.merge_and_unload().state_dict()
+    for name, w in ours.items():
+        assert torch.allclose(w, reference[name], atol=1e-6, rtol=0), name

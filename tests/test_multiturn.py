@@ -423,6 +423,24 @@ def test_an_env_run_logs_its_episodes_turn_by_turn(echo):
     assert "## Episodes (step 3, turn by turn)" in (echo / "run" / "report.md").read_text()
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_multi_turn_with_top_p_replays_the_support_of_every_model_turn(echo, replay):
+    """Sampling-mask replay turn by turn: with replay the ledger's decode term and the whole mismatch stay at fp32
+    rounding (before the support was carried through episodes, decode k3 was ~5e-3 on every step); without it
+    the mismatch is exactly the truncation term, −log(kept mass) per token, and the decode term still rounding."""
+    from unison.data_io import read_metrics
+
+    _train(echo / "run", "rollout.top_p=0.7", "mismatch.decompose_every=1",
+           f"rollout.replay_sampling_mask={str(replay).lower()}", steps=2).fit()
+    for r in read_metrics(echo / "run" / "metrics.jsonl"):
+        assert r["ledger/decode_k3"] < 1e-9 and r["ledger/engine_k3"] < 1e-9
+        if replay:
+            assert r["mismatch/k3"] < 1e-9 and "ledger/truncation_k1" not in r
+        else:
+            assert r["ledger/truncation_k1"] > 1e-3  # mean −log S over the model's tokens
+            assert r["ledger/total_k1"] == pytest.approx(r["ledger/truncation_k1"], abs=1e-6)
+
+
 def test_the_rollout_log_and_the_report_show_whose_tokens_each_turn_holds(tmp_path, tiny_dir):
     from unison.report import episodes_section
     from unison.runlog import RunLog
@@ -605,6 +623,37 @@ def test_retokenize_drift_against_a_hand_computed_value(echo, tmp_path):
     c2 = generate(Ids([[x, y, eos], [ab, eos]]), task.episodes([item]), SamplingParams(n=1, max_tokens=8))[0]
     got2 = retokenize_metrics(learner, [c2], task.template, 0)
     assert got2["mismatch/retokenize_fraction"] == 0.0 and got2["mismatch/retokenize_token_fraction"] == 0.0
+
+
+def test_retokenize_finds_each_model_turn_where_the_template_put_it(tiny_dir):
+    """A re-tokenizing loop's spans: the model's turns are known by their place in the conversation (an
+    environment's own assistant message is not one of them: pairing by role shifted every later turn), and a
+    template that trims the content puts it elsewhere than "generation prompt + content" (the span is found)."""
+    from unison.batch import Completion
+    from unison.chat import ChatTemplate
+    from unison.retokenize import retokenized
+    from unison.tasks.env import EpisodeRecord
+
+    tok = load_tokenizer(tiny_dir)
+    jinja = ("{% for m in messages %}{% if m['role'] == 'user' %}U:{{ m['content'] }}\n"
+             "{% elif m['role'] == 'assistant' %}A:{{ m['content'] | trim }}</s>{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}A:{% endif %}")
+    template = ChatTemplate(tok, jinja)
+    ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tok.eos_token_id
+    turn1, env, turn2 = ids("xy ") + [eos], ids("A:ok</s>U:again\nA:"), ids("z") + [eos]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "xy "},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "z"}]
+    a, b = len(turn1), len(turn1) + len(env)
+    rec = EpisodeRecord(messages=msgs, segments=[(0, a, "model"), (a, b, "env"), (b, b + len(turn2), "model")],
+                        model_messages=[1, 4])
+    c = Completion(prompt_ids=ids("U:hi\nA:"), token_ids=turn1 + env + turn2, logprobs=[-1.0] * (b + len(turn2)),
+                   finish_reason="stop", mask=[1] * a + [0] * len(env) + [1] * len(turn2), episode=rec)
+    y, where = retokenized(c, template)
+    assert tok.decode(y, skip_special_tokens=False) == "U:hi\nA:xy</s>A:ok</s>U:again\nA:z</s>"
+    spans = [tok.decode([y[j] for j in js], skip_special_tokens=False) for js in where]
+    assert spans == ["xy</s>", "z</s>"]
 
 
 # ----------------------------------------------------------------------- engines and modes

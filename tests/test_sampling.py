@@ -27,6 +27,16 @@ def test_top_k_and_top_p_renormalise_the_support():
     assert p81[0, 2].item() == pytest.approx(0.15 / 0.95, rel=1e-5)
 
 
+def test_top_p_is_taken_over_the_renormalised_top_k_mass_as_hf_and_vllm_do():
+    """p = 0.5, 0.2 (+ 0.3 outside top-k 2), top-p 0.6: over the renormalised top-k mass (0.714, 0.286) the mass
+    before the second token already reaches 0.6, so only the first is kept (HF's TopK then TopP warper, vLLM's
+    apply_top_k_top_p); over the un-renormalised mass (0.5 before it) both were kept."""
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.15]]))
+    kept = _truncate(logp, top_k=2, top_p=0.6).exp()
+    assert kept.tolist()[0] == pytest.approx([1.0, 0.0, 0.0, 0.0], abs=1e-6)
+    assert _truncate(logp, top_k=2, top_p=0.75).exp().tolist()[0] == pytest.approx([5 / 7, 2 / 7, 0, 0], abs=1e-6)
+
+
 def test_sampling_frequencies_follow_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(20000, 1)
     tok, _ = sample_tokens(logits, SamplingParams(), torch.arange(20000), 3)

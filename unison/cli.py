@@ -190,7 +190,10 @@ def done_line(summary: dict, out) -> str:
 
     trouble = [x for x in (plural(summary.get("reward_errors") or 0, "reward error") if summary.get("reward_errors") else "",
                            f"{plural(summary['no_signal_steps'], 'step')} without a learning signal"
-                           if summary.get("no_signal_steps") else "") if x]
+                           if summary.get("no_signal_steps") else "",
+                           f"the mismatch budget's metric {summary['mismatch_budget']['metric']} missing on "
+                           f"{plural(summary['mismatch_budget']['steps_without_metric'], 'step')} (LR held)"
+                           if (summary.get("mismatch_budget") or {}).get("steps_without_metric") else "") if x]
     return (f"done: {plural(summary['steps'], 'step')}, reward {_num(summary['reward_first'])} -> "
             f"{_num(summary['reward_last'])} (last-5 mean {_num(summary['reward_last5_mean'])})"
             f"{'; ' + ', '.join(trouble) if trouble else ''}; run in {out}")

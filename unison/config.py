@@ -153,14 +153,19 @@ class PolicyConfig(_Section):
     #: policy loss: ppo_clip, gspo, pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl, ipo
     loss: Literal["ppo_clip", "gspo", "pg_seq_is", "pg_seq_mis", "pg_token_is", "dppo_tv", "dppo_kl",
                   "ipo"] | None = None
-    #: mismatch correction: none, token_tis, token_mis (IcePop), seq_tis, seq_mis, geo_rs, veto, m2po
+    #: mismatch correction: none, token_tis, token_mis (IcePop), seq_tis, seq_mis, geo_rs, veto, m2po (AReaL's:
+    #: M2PO's batch mask × the decoupled behaviour weight π_old/μ), m2po_mask (the mask alone). Refused with
+    #: anchor bypass (ρ ≡ 1 there: it would do nothing)
     correction: Literal["none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_rs", "veto",
-                        "m2po"] | None = None
+                        "m2po", "m2po_mask"] | None = None
     #: upper threshold C of the correction (token_tis 2, token_mis 2 — grpo_icepop 5 —, seq_tis 2, seq_mis 10,
     #: geo_rs 1.01); m2po: τ, the bound on the batch's mean (log π_old − log μ)² (0.04)
     correction_c: float | None = Field(None, gt=0)
     #: lower threshold of token_mis (0.5) and geo_rs (0.99)
     correction_c_low: float | None = Field(None, ge=0)
+    #: m2po: a token whose behaviour weight π_old/μ exceeds this gets weight 0 (AReaL's rejection_sampling
+    #: upper, token level, action mask: 5)
+    correction_cap: float | None = Field(None, gt=0)
     #: veto: drop a response with any token ratio below this (1e-4)
     veto_threshold: float | None = Field(None, gt=0)
     #: PPO ε (ppo_clip 0.2); gspo: lower band 3e-4; dppo_tv: δ of the probability band (0.2);
@@ -351,7 +356,8 @@ class DistributedConfig(_Section):
 
     #: compute (default): parameters all-gathered in the learner's compute dtype
     #: (MixedPrecisionPolicy, fp32 reduction; verl's and Paper A's setup) | fp32: fp32 parameters
-    #: under autocast, the numerics of one process
+    #: under autocast, the numerics of one process (the default with train.quantization_aware, which
+    #: quantizes the gathered weight: it must be the fp32 master the engine quantizes; compute is refused there)
     param_dtype: Literal["compute", "fp32"] | None = None
     #: seconds any collective may wait before the job fails (a rank that died): default 600
     timeout_s: float | None = Field(None, gt=0)
@@ -463,7 +469,7 @@ class Config(_Section):
     #: layout, so log μ == log π_old == log π_θ bit for bit (native engine; Llama/Mistral/Qwen2/Qwen3)
     exact: bool = False
     #: preset (unison/algorithms/presets.py): grpo, grpo_token_tis, grpo_seq_mis, gspo,
-    #: pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl, grpo_icepop, ipo, grpo_m2po
+    #: pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl, grpo_icepop, ipo, grpo_m2po, grpo_m2po_mask
     algo: str = "grpo"
     #: local HF model directory, or builtin:tiny
     model: str = "builtin:tiny"

@@ -265,6 +265,12 @@ class UpdateStats:
     routing_first: torch.Tensor | None = None
 
 
+def param_dtype(cfg) -> str:
+    """``distributed.param_dtype`` as the run uses it: unset means ``compute``, except with a quantization-aware
+    learner, which quantizes the weight FSDP2 gathers and so must gather the fp32 master the engine quantizes."""
+    return cfg.distributed.param_dtype or ("fp32" if cfg.train.quantization_aware else "compute")
+
+
 def adamw(params: list[torch.nn.Parameter], fused: bool = True, **kwargs) -> torch.optim.AdamW:
     """AdamW, fused (one kernel over each parameter, in place) where torch has it for these parameters: plain
     (unsharded) floating tensors on the CPU or CUDA. The for-each-tensor default allocates a temporary per
@@ -426,7 +432,7 @@ class Learner:
         t = cfg.train
         self = cls(model_dir, compute_dtype=prec.learner_dtype, device=cfg.device,
                    temperature=cfg.rollout.temperature, dist=dist,
-                   param_dtype=(cfg.distributed.param_dtype or "compute") if (dist or current()).enabled else "fp32",
+                   param_dtype=param_dtype(cfg) if (dist or current()).enabled else "fp32",
                    micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk,
                    routing_replay=cfg.moe.routing_replay, aux_loss_coef=cfg.moe.aux_loss_coef, lora_cfg=cfg.lora,
                    exact=cfg.exact, activation_checkpointing=t.activation_checkpointing,
@@ -520,7 +526,7 @@ class Learner:
         with contextlib.ExitStack() as stack:
             stack.enter_context(moe.record(self.model, calls))  # before replay: sees the learner's own choice
             if self.routing_replay and "routing" in batch.extras:
-                stack.enter_context(moe.replay(self.model, _replay_indices(batch.extras["routing"][rows, :W])))
+                stack.enter_context(moe.replay(self.model, moe.replay_indices(batch.extras["routing"][rows, :W])))
             result = token_logprobs(self.forward_module, *args, dt, self.device, **kw)
         if routing_out is not None and calls:
             routing_out[rows, :W] = calls[-1].view(len(rows), W, *calls[-1].shape[1:])
@@ -874,17 +880,6 @@ def _checkpoint_layer(layer: torch.nn.Module) -> None:
         return inner(*args, **kwargs)
 
     layer.forward = forward
-
-
-def _replay_indices(routing: torch.Tensor) -> torch.Tensor:
-    """The rollout's expert choices [rows, L, layers, k] as the flattened [rows·L, layers, k] a
-    router sees; positions the rollout never fed (padding, the last token) get experts 0..k-1,
-    whose outputs nothing reads."""
-    r = routing.clone()
-    fill = torch.arange(r.shape[-1]).expand_as(r)
-    unknown = (r < 0).any(-1, keepdim=True).expand_as(r)
-    r[unknown] = fill[unknown]
-    return r.reshape(-1, *r.shape[2:])
 
 
 def check_model_keys(model, weights: dict, where: str) -> None:

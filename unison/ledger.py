@@ -97,8 +97,12 @@ class Ledger:
     weights of an older version (None when not kept)."""
 
     def __init__(self, learner, plan_: Plan, quantization: str = "none", group_size: int = 64, rescore=None,
-                 weights=None, quantizer=None):
+                 weights=None, quantizer=None, held_weights=None):
         self.learner, self.plan, self.rescore, self.weights = learner, plan_, rescore, weights
+        #: ``held_weights() -> (tensors that differ, tensors)``: the engine's weights against what the learner's
+        #: current ones make it hold (an in-process engine; None where the engine's weights are out of reach)
+        self.held_weights = held_weights
+        self._held: tuple[int, int] | None = None
         #: the rollout's quantizer on the learner's forward: the learner's own (quantization_aware), ``quantizer``,
         #: or one the ledger adds, switched on only while it scores "as the engine ran"
         self.quantizer = learner.qat or quantizer
@@ -125,6 +129,7 @@ class Ledger:
         and a pass "as the engine ran" would measure the update too."""
         mu = batch.logp_mu
         present, measured = self.plan.present, self.plan.measured
+        self._held = self.held_weights() if self.held_weights is not None else None  # before the update: version step
         versions = batch.version if batch.version is not None else torch.full((batch.size,), step)
         stale = "staleness" in present and bool((versions != step).any())
         final = {"quantization": self.final_quantize, "truncation": self.final_replay,
@@ -170,6 +175,8 @@ class Ledger:
             out[f"ledger/{term}_k3"] = float(k3(nxt, prev, mask))
         out["ledger/total_k1"] = float(k1(logp_pi, mu, mask))
         out["ledger/total_k3"] = float(k3(logp_pi, mu, mask))
+        if self._held is not None:
+            out["ledger/engine_stale_weights"] = self._held[0] / max(self._held[1], 1)
         return out
 
     @staticmethod
@@ -198,10 +205,22 @@ class Ledger:
             return self._by_version(batch, versions, at)
 
     def check_stale(self, metrics: dict, log) -> None:
-        """Warn once when the decode term says the engine sampled from something other than the weights it
-        claims (STALE_DECODE_K3, STALE_DECODE_RATIO)."""
+        """Warn once when the engine sampled from something other than the weights it claims: its weights are
+        not what the last sync should have put there (a sync that did not reach it: this shows under the
+        *engine* term, not the decode one), or the decode term says its caches or decode kernels are not those
+        weights' (STALE_DECODE_K3, STALE_DECODE_RATIO)."""
+        if self.warned:
+            return
+        if metrics.get("ledger/engine_stale_weights"):
+            self.warned = True
+            log(f"[train] WARNING the rollout engine does not hold the weights it claims: "
+                f"{metrics['ledger/engine_stale_weights']:.0%} of its tensors differ from what the last weight "
+                f"sync should have loaded (a sync that did not reach the engine; its samples come from older "
+                f"weights, and the ledger's engine term, {metrics.get('ledger/engine_k3', float('nan')):.2g}, "
+                f"is that staleness, not kernels; docs/ledger.md)")
+            return
         dec, eng = metrics.get("ledger/decode_k3"), metrics.get("ledger/engine_k3")
-        if self.warned or dec is None or not math.isfinite(dec):
+        if dec is None or not math.isfinite(dec):
             return
         if dec > STALE_DECODE_K3 and dec > STALE_DECODE_RATIO * max(eng or 0.0, 0.0):
             self.warned = True
@@ -238,7 +257,12 @@ def build_ledger(cfg, learner, source, model_dir, rollout_dtype, exact: bool = F
         term, reason = next(iter(p.unmeasured.items()))
         raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "
                           f"set mismatch.ledger=auto (that term is then merged into its neighbour) or off")
-    return Ledger(learner, p, r.quantization, r.quant_group_size, rescore=rescore, weights=source.weights)
+    from unison.rollout.native import NativeEngine
+
+    engine = source.engine
+    held = (lambda: engine.stale_weights(engine.weights_from(learner))) if isinstance(engine, NativeEngine) else None
+    return Ledger(learner, p, r.quantization, r.quant_group_size, rescore=rescore, weights=source.weights,
+                  held_weights=held)
 
 
 def _rescorer(cfg, source, model_dir, dtype, device):

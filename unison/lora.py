@@ -70,6 +70,21 @@ def _exported(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch
             yield name, p, None
 
 
+def delta(layer, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+    """(α/r)·B·A of an adapted layer in its base weight's layout, computed in fp32 whatever autocast is on:
+    [out, in] for ``nn.Linear``, transposed to [in, out] for GPT-2's ``Conv1D`` (PEFT's ``fan_in_fan_out``).
+    ``a``/``b``: the adapter matrices when given (materialised shards), else the layer's own (with gradient).
+    The one merge rule: the engine's weights (:func:`merged_weights`) and the quantization-aware learner's
+    (unison/quant.py) both come from here."""
+    a = layer.lora_A[ADAPTER].weight if a is None else a
+    b = layer.lora_B[ADAPTER].weight if b is None else b
+    with torch.autocast(a.device.type, enabled=False):
+        d = b.float() @ a.float()
+        if getattr(layer, "fan_in_fan_out", False):
+            d = d.t()
+        return d * layer.scaling[ADAPTER]
+
+
 def merged_weights(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(base name, merged tensor)`` for every parameter, the model itself unchanged.
@@ -79,8 +94,7 @@ def merged_weights(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.
             yield name, full(t.detach())
             continue
         w = full(t.detach()).clone()
-        a, b = full(m.lora_A[ADAPTER].weight.detach()), full(m.lora_B[ADAPTER].weight.detach())
-        w += (b @ a) * m.scaling[ADAPTER]
+        w += delta(m, full(m.lora_A[ADAPTER].weight.detach()), full(m.lora_B[ADAPTER].weight.detach()))
         yield name, w
 
 

@@ -83,6 +83,16 @@ def replay(model: torch.nn.Module, indices: torch.Tensor):
             h.remove()
 
 
+def replay_indices(routing: torch.Tensor) -> torch.Tensor:
+    """The rollout's expert choices [rows, L, layers, k] as the flattened [rows·L, layers, k] a router sees;
+    positions the rollout never fed (padding, the last token) get experts 0..k-1, whose outputs nothing reads."""
+    r = routing.clone()
+    fill = torch.arange(r.shape[-1]).expand_as(r)
+    unknown = (r < 0).any(-1, keepdim=True).expand_as(r)
+    r[unknown] = fill[unknown]
+    return r.reshape(-1, *r.shape[2:])
+
+
 def disagreement(rollout: torch.Tensor, learner: torch.Tensor, response_mask: torch.Tensor) -> float:
     """Share of response tokens whose experts differ in any layer.
 

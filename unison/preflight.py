@@ -29,6 +29,14 @@ def check_settings(cfg: Config) -> None:
     _check_async_settings(cfg)
     if cfg.mismatch.ledger == "on":
         _check_ledger_settings(cfg)
+    budget = cfg.train.mismatch_budget.metric or ("mismatch/staleness_k3" if cfg.rollout.max_staleness else None)
+    if cfg.train.schedule == "mismatch_budget" and budget == "mismatch/staleness_k3" and \
+            (cfg.lora.rank or under_torchrun() or not cfg.rollout.max_staleness):
+        why = ("the run is synchronous: every sample is on-policy" if not cfg.rollout.max_staleness else
+               f"its split scores with older weights, which {'LoRA adapters' if cfg.lora.rank else 'FSDP2 shards'} "
+               f"prevent")
+        raise UnisonError(f"train.schedule=mismatch_budget watches mismatch/staleness_k3, which this run never logs "
+                          f"({why}): set train.mismatch_budget.metric=mismatch/k3")
     truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k
     if truncated and cfg.rollout.replay_sampling_mask and cfg.engine != "native":
         raise UnisonError(f"rollout.replay_sampling_mask needs the support each token was sampled from, which "
@@ -96,6 +104,14 @@ def _check_quantization_aware(cfg: Config) -> None:
     if cfg.engine != "native":
         raise UnisonError(f"train.quantization_aware computes through unison's own quantizer (unison/quant.py), and "
                           f"engine '{cfg.engine}' quantizes with its own kernels: use engine=native")
+    from unison.precision import Precision
+
+    learner = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision).learner
+    if cfg.distributed.param_dtype == "compute" and learner != "fp32":
+        raise UnisonError(f"train.quantization_aware quantizes the weight FSDP2 gathers, and "
+                          f"distributed.param_dtype=compute gathers it in {learner} while the engine quantizes the "
+                          f"fp32 masters (other scales and codes: π ≠ μ): set distributed.param_dtype=fp32, the "
+                          f"default with train.quantization_aware")
 
 
 def _check_ledger_settings(cfg: Config) -> None:

@@ -164,7 +164,8 @@ class QuantizationAware:
                 continue  # an adapter's own Linear, or the base layer it merges into: the LoRA layer does both
             owners.setdefault(mname, []).append((pname, t.in_dim))
         kept = [t for t in found if t.name.rsplit(".", 1)[0] in owners]
-        kept += [Target(f"{n}.base_layer.weight", -1) for n in lora_layers]
+        kept += [Target(f"{n}.base_layer.weight", 0 if getattr(m, "fan_in_fan_out", False) else -1)
+                 for n, m in lora_layers.items()]
         check_targets(model, fmt, group_size, kept)
         #: (module name, parameter name, input dim) of every weight quantized on its own
         self.params = [(m, p, d) for m, ps in owners.items() for p, d in ps]
@@ -199,14 +200,18 @@ class QuantizationAware:
     def _lora_forward(self, layer, original):
         import torch.nn.functional as F
 
+        conv1d = getattr(layer, "fan_in_fan_out", False)  # GPT-2's Conv1D: weight [in, out], x @ W + b
+
         def forward(x, *args, **kwargs):
             if not self.enabled:
                 return original(x, *args, **kwargs)
-            from unison.lora import ADAPTER
+            from unison import lora
 
             base = layer.base_layer
-            merged = base.weight + (layer.lora_B[ADAPTER].weight @ layer.lora_A[ADAPTER].weight) * layer.scaling[ADAPTER]
-            return F.linear(x, straight_through(merged, self.fmt, -1, self.group_size), base.bias)
+            with torch.autocast(x.device.type, enabled=False):  # merged in fp32, as the engine merges it
+                merged = base.weight + lora.delta(layer)
+            q = straight_through(merged, self.fmt, 0 if conv1d else -1, self.group_size)
+            return F.linear(x, q.t() if conv1d else q, base.bias)
         return forward
 
     @contextmanager

@@ -33,26 +33,34 @@ LOG_CLAMP = 20.0
 def retokenized(c, template) -> tuple[list[int], list[list[int]]] | None:
     """``(y', the indices of y' that re-tokenize each model turn)`` for one episode, or None when it has
     no model turn. The conversation is rebuilt as a re-tokenizing framework would: each model turn
-    decoded without special tokens, the environment's messages as they were, all rendered at once."""
+    decoded without special tokens, the environment's messages as they were (assistant messages an
+    environment adds included: the model's turns are known by their place, ``EpisodeRecord.model_messages``),
+    all rendered at once; each turn's span is found where the template rendered it."""
     ep = c.episode
     turns = [(a, b) for a, b, kind in ep.segments if kind == "model"]
     if not turns:
         return None
     tok = template.tokenizer
-    msgs, k, spans = [], 0, []
-    for m in ep.messages:
-        if m["role"] == "assistant" and k < len(turns):
-            a, b = turns[k]
-            ids = c.token_ids[a:b]
-            content = tok.decode(ids, skip_special_tokens=True)
-            start = len(template.text(msgs, True))
-            stop = tok.decode(ids[-1:], skip_special_tokens=False) if ids else ""
-            ends_with_stop = bool(ids) and template.closing.startswith(stop) and not content.endswith(stop)
-            spans.append((start, start + len(content) + (len(stop) if ends_with_stop else 0)))
-            msgs.append({"role": "assistant", "content": content})
-            k += 1
-        else:
+    model = dict(zip(ep.model_messages, turns))  # the messages the model sampled (not an environment's own)
+    msgs, spans = [], []
+    for i, m in enumerate(ep.messages):
+        if i not in model:
             msgs.append(m)
+            continue
+        a, b = model[i]
+        ids = c.token_ids[a:b]
+        content = tok.decode(ids, skip_special_tokens=True)
+        start = len(template.text(msgs, True))
+        msgs.append({"role": "assistant", "content": content})
+        # where the template put the content: verbatim after the generation prompt, or as it rewrote it (a
+        # template that trims whitespace): the span is found in the rendering, not assumed
+        rendered = template.text(msgs, False)
+        body = content if rendered.startswith(content, start) else content.strip()
+        at = rendered.find(body, start) if body else start
+        at = start if at < 0 else at
+        stop = tok.decode(ids[-1:], skip_special_tokens=False) if ids else ""
+        ends_with_stop = bool(ids) and template.closing.startswith(stop) and not content.endswith(stop)
+        spans.append((at, at + len(body) + (len(stop) if ends_with_stop else 0)))
     text = template.text(msgs, False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])

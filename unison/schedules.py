@@ -188,13 +188,16 @@ class MismatchBudgetSchedule(LRSchedule):
     and step t + 1 runs at η = η0 · f (times the linear warm-up factor during ``warmup_steps``).
     f starts at 1. ``schedule/budget_state`` is −1 / 0 / +1 (lowered / held / raised),
     ``schedule/budget_factor`` is f after the step; both are checkpointed, so a resumed run keeps its LR.
+    A step whose metrics lack ``metric`` (or hold a non-finite value) holds f and says so:
+    ``schedule/budget_missing`` 1 (and ``missing_steps`` counts them, checkpointed): a held budget is never
+    mistaken for one within its target. The trainer warns the first time, naming the nearest logged metric.
     """
 
     def __init__(self, base_lr: float, warmup_steps: int = 0, metric: str = "mismatch/k3",
                  target: float = 1e-2, down: float = 0.7, up: float = 1.1, min_ratio: float = 0.1):
         super().__init__("mismatch_budget", base_lr, 0, warmup_steps)
         self.metric, self.target, self.down, self.up, self.min_ratio = metric, target, down, up, min_ratio
-        self.factor, self.state = 1.0, 0
+        self.factor, self.state, self.missing_steps = 1.0, 0, 0
 
     def lr(self, step: int) -> float:
         w = self.warmup_lr(step)
@@ -203,20 +206,23 @@ class MismatchBudgetSchedule(LRSchedule):
     def observe(self, step: int, metrics: dict) -> dict:
         value = metrics.get(self.metric)
         self.state = 0
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            if value > self.target:
-                self.factor, self.state = max(self.factor * self.down, self.min_ratio), -1
-            elif value < self.target / 2:
-                self.factor, self.state = min(self.factor * self.up, 1.0), 1
+        missing = not (isinstance(value, (int, float)) and math.isfinite(value))
+        if missing:
+            self.missing_steps += 1
+        elif value > self.target:
+            self.factor, self.state = max(self.factor * self.down, self.min_ratio), -1
+        elif value < self.target / 2:
+            self.factor, self.state = min(self.factor * self.up, 1.0), 1
         return {**super().observe(step, metrics), "schedule/budget_state": self.state,
-                "schedule/budget_factor": self.factor}
+                "schedule/budget_factor": self.factor, "schedule/budget_missing": int(missing)}
 
     def state_dict(self) -> dict:
-        return {"factor": self.factor, "state": self.state}
+        return {"factor": self.factor, "state": self.state, "missing_steps": self.missing_steps}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
             self.factor, self.state = state["factor"], state["state"]
+            self.missing_steps = state.get("missing_steps", 0)
 
 
 def make_schedule(train_cfg, asynchronous: bool = False) -> LRSchedule:

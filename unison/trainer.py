@@ -37,7 +37,7 @@ from unison import checkpoint as ckpt
 from unison import preflight
 from unison.algorithms.advantages import ADVANTAGES
 from unison.algorithms.anchors import OldLogp, plan
-from unison.algorithms.corrections import CORRECTIONS
+from unison.algorithms.corrections import BATCH_LEVEL, CORRECTIONS
 from unison.algorithms.presets import correction_kwargs, resolve_policy
 from unison.batch import collate
 from unison.config import Config, resolve_paths
@@ -52,7 +52,7 @@ from unison.quant import check_format_available, quantization_warning
 from unison.rollout import check_engine_available, make_engine, preflight_engine
 from unison.rollout.source import PromptSampler, make_source, step_seed  # noqa: F401 - PromptSampler re-exported
 from unison.runlog import RunLog, console_line, memory_metrics, plural
-from unison.schedules import GradNoiseTracker, make_schedule
+from unison.schedules import GradNoiseTracker, MismatchBudgetSchedule, make_schedule
 from unison.tasks import make_reward, make_task
 from unison.gemm import setup as setup_gemm
 from unison.threads import setup as setup_threads
@@ -123,12 +123,14 @@ class Trainer:
         from unison.ledger import build_ledger
 
         self.ledger = build_ledger(cfg, self.learner, self.source, model_dir, self.prec.rollout_dtype, exact=cfg.exact)
-        self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass)
+        self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass,
+                           batch_level=self.policy["correction"] in BATCH_LEVEL)
         self.correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
         self.schedule = make_schedule(cfg.train, asynchronous=cfg.rollout.max_staleness > 0)
         self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         self.step = 0
         self.truncation_warned = False
+        self.budget_warned = False
         self.failed_reward_steps = 0
         self.reward_errors = 0
         self.quiet_steps = 0  # consecutive steps without a learning signal
@@ -309,6 +311,16 @@ class Trainer:
         if not self.source.max_staleness:  # synchronous: the engine idles while the learner works
             metrics["time/engine_idle_s"] = max(step_s - metrics.get("time/generate_s", 0.0), 0.0)
         metrics.update(self.schedule.observe(self.step + 1, metrics))
+        if metrics.get("schedule/budget_missing") and not self.budget_warned:
+            self.budget_warned = True
+            import difflib
+
+            near = difflib.get_close_matches(self.schedule.metric, [k for k in metrics if "/" in k], n=1, cutoff=0.5)
+            self.log(f"[train] WARNING step {metrics['step']}: train.schedule=mismatch_budget watches "
+                     f"'{self.schedule.metric}', which this step did not log: the LR factor is held at "
+                     f"{self.schedule.factor:g} (schedule/budget_missing); "
+                     f"{f'did you mean {near[0]!r}? ' if near else ''}set train.mismatch_budget.metric to a "
+                     f"metric the run logs every step (mismatch/k3)")
         self.step += 1
         return metrics
 
@@ -534,6 +546,10 @@ class Trainer:
                 "reward_errors": self.reward_errors,
                 "no_signal_steps": sum(int(r.get("train/no_signal") or 0) for r in rows),
                 "skipped_steps": self.learner.skipped_steps, "wall_s_this_session": wall,
+                **({"mismatch_budget": {"metric": self.schedule.metric, "target": self.schedule.target,
+                                        "steps_without_metric": self.schedule.missing_steps,
+                                        "final_lr_factor": self.schedule.factor}}
+                   if isinstance(self.schedule, MismatchBudgetSchedule) else {}),
                 "final": {k: v for k, v in last.items() if not k.startswith("time/")}}
 
     # ------------------------------------------------------------ checkpoints

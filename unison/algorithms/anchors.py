@@ -46,14 +46,16 @@ def loglinear_logp(logp_theta: torch.Tensor, logp_mu: torch.Tensor, alpha: torch
     return logp_mu + a * (logp_theta.detach() - logp_mu)
 
 
-def plan(anchor: str, mini_batches: int, fuse_score_pass: bool) -> str:
+def plan(anchor: str, mini_batches: int, fuse_score_pass: bool, batch_level: bool = False) -> str:
     """What the step does for π_old: ``score`` (a separate score pass), ``fused`` (the training
-    forward's own detached log-probs), ``bypass`` (log μ) or ``loglinear``."""
+    forward's own detached log-probs), ``bypass`` (log μ) or ``loglinear``. A ``batch_level`` correction
+    (M2PO: one token's weight depends on every token of the batch) needs the whole batch's π_old before the
+    update: never fused (a fused π_old exists one micro-batch at a time)."""
     if anchor == "bypass":
         return "bypass"
     if anchor == "loglinear":
         return "loglinear"
-    return "fused" if (fuse_score_pass and mini_batches == 1) else "score"
+    return "fused" if (fuse_score_pass and mini_batches == 1 and not batch_level) else "score"
 
 
 class OldLogp:

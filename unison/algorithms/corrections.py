@@ -122,34 +122,67 @@ def veto(logp_old, logp_mu, mask, threshold: float = 1e-4, **_):
                    {"correction/seq_masked_fraction": _frac_dropped(keep, m)})
 
 
-def m2po(logp_old, logp_mu, mask, c: float = 0.04, **_):
-    """M2PO (arXiv 2510.01161; AReaL ``actor.m2_threshold``): bound the second moment of the
-    log-ratio over the batch by masking its largest terms. With m2_t = (log π_old − log μ)² over
-    **all** response tokens of the batch given (not row by row), sorted descending, mask the k
-    largest for the smallest k whose remaining mean Σ_{j≥k} m2_(j) / (n − k) is below τ = ``c``
-    (0.04); when no k achieves it, mask all but the smallest. Kept tokens get w = 1, masked w = 0
-    (a mask, not a ratio weight: the loss's own clipping does the rest).
-
-    Metrics: ``correction/m2_before`` (mean m2 over all tokens), ``correction/m2_after`` (over the
-    kept ones) and the masked fraction."""
-    m = mask.float()
+def _m2_keep(logp_old, logp_mu, m, c: float):
+    """M2PO's mask over **every** response token given (not row by row): with m2_t = (log π_old − log μ)²
+    sorted descending, drop the k largest for the smallest k whose remaining mean Σ_{j≥k} m2_(j) / (n − k) is
+    strictly below τ = ``c``; when no k achieves it, keep only the smallest (AReaL ``_get_m2po_loss_mask``).
+    Returns (keep [B, L] float, m2 before, m2 after)."""
     sel = m.bool()
-    w = m.clone()
-    lr = log_rho(logp_old, logp_mu, m)
-    m2 = lr[sel].pow(2)
+    keep = m.clone()
+    m2 = log_rho(logp_old, logp_mu, m)[sel].pow(2)
     n = m2.numel()
-    extra = {"correction/m2_before": 0.0, "correction/m2_after": 0.0}
-    if n:
-        order = torch.argsort(m2, descending=True, stable=True)
-        sorted_m2 = m2[order].double()
-        suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=torch.float64)
-        below = (suffix_mean < c).nonzero()
-        k = int(below[0]) if below.numel() else n - 1
-        keep = torch.ones(n, dtype=torch.bool)
-        keep[order[:k]] = False
-        w[sel] = keep.float()
-        extra = {"correction/m2_before": float(sorted_m2.mean()), "correction/m2_after": float(m2[keep].double().mean())}
-    return _finish(w, logp_old, logp_mu, m, extra)
+    if not n:
+        return keep, 0.0, 0.0
+    order = torch.argsort(m2, descending=True, stable=True)
+    sorted_m2 = m2[order].double()
+    suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=torch.float64)
+    below = (suffix_mean < c).nonzero()
+    k = int(below[0]) if below.numel() else n - 1
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[order[:k]] = False
+    keep[sel] = kept.float()
+    return keep, float(sorted_m2.mean()), float(m2[kept].double().mean())
+
+
+def m2po(logp_old, logp_mu, mask, c: float = 0.04, cap: float = 5.0, **_):
+    """M2PO (arXiv 2510.01161) as AReaL runs it (``actor.m2_threshold`` with ``use_decoupled_loss``): the decoupled
+    PPO loss's behaviour weight, on the tokens M2PO keeps,
+
+        w_t = keep_t · ρ_t · 1{ρ_t ≤ cap},   ρ_t = π_old(y_t)/μ(y_t)   (detached; π_old the recomputed proximal
+                                                                      policy, the PPO ratio clipped around it)
+
+    keep_t: M2PO's mask (:func:`_m2_keep`, τ = ``c`` = 0.04) over **the whole batch's response tokens** — a
+    batch-level correction (:data:`BATCH_LEVEL`): the trainer computes it once, from the score pass, so the mask
+    is the same whatever the micro-batching and the number of ranks (AReaL applies it per micro-batch and rank;
+    its example config uses one mini-batch of up to 10240 tokens per micro-batch). The cap is a mask, as AReaL's
+    ``rejection_sampling`` (``upper`` 5.0, token level, ``action: mask``): a token with ρ_t > cap gets weight 0;
+    kept tokens the raw ratio. Without the behaviour weight (AReaL without the decoupled loss) its M2 term is
+    identically 0; :func:`m2po_mask` is the 0/1 mask with no weight (the variant unison shipped as M2PO before).
+
+    Metrics: ``correction/m2_before`` (mean m2 over all tokens), ``correction/m2_after`` (over the kept ones),
+    ``correction/m2_masked_fraction``, ``correction/behave_masked_fraction`` (kept by M2PO, ρ_t > cap)."""
+    m = mask.float()
+    keep, before, after = _m2_keep(logp_old, logp_mu, m, c)
+    rho = log_rho(logp_old, logp_mu, m).exp()
+    capped = (rho > cap) & keep.bool()
+    w = torch.where(capped, 0.0, rho) * keep
+    n = m.sum().clamp(min=1)
+    return _finish(w, logp_old, logp_mu, m, {
+        "correction/m2_before": before, "correction/m2_after": after,
+        "correction/m2_masked_fraction": float(((keep == 0) & m.bool()).sum() / n),
+        "correction/behave_masked_fraction": float(capped.sum() / n)})
+
+
+def m2po_mask(logp_old, logp_mu, mask, c: float = 0.04, **_):
+    """M2PO's mask alone (:func:`_m2_keep`, τ = ``c``), kept tokens w = 1, masked w = 0: no behaviour weight, so
+    samples from μ train as if from π_old — the variant unison shipped as ``grpo_m2po`` before it followed AReaL
+    (``grpo_m2po_mask``; the cures report's rows of that name). Batch-level, as :func:`m2po`."""
+    m = mask.float()
+    keep, before, after = _m2_keep(logp_old, logp_mu, m, c)
+    n = m.sum().clamp(min=1)
+    return _finish(keep, logp_old, logp_mu, m, {
+        "correction/m2_before": before, "correction/m2_after": after,
+        "correction/m2_masked_fraction": float(((keep == 0) & m.bool()).sum() / n)})
 
 
 def _frac_dropped(w_seq: torch.Tensor, m: torch.Tensor) -> float:
@@ -158,5 +191,8 @@ def _frac_dropped(w_seq: torch.Tensor, m: torch.Tensor) -> float:
 
 
 CORRECTIONS = {"none": none, "token_tis": token_tis, "token_mis": token_mis, "seq_tis": seq_tis,
-               "seq_mis": seq_mis, "geo_rs": geo_rs, "veto": veto, "m2po": m2po}
-TOKEN_LEVEL = {"token_tis", "token_mis", "m2po"}
+               "seq_mis": seq_mis, "geo_rs": geo_rs, "veto": veto, "m2po": m2po, "m2po_mask": m2po_mask}
+TOKEN_LEVEL = {"token_tis", "token_mis", "m2po", "m2po_mask"}
+#: corrections whose weight of one token depends on every token of the batch (M2PO's mask is over the batch's
+#: second moment): computed once from the whole batch's π_old (a score pass), never per micro-batch
+BATCH_LEVEL = {"m2po", "m2po_mask"}

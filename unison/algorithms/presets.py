@@ -8,7 +8,7 @@ sources' (IcePop [0.5, 5], IPO ε and τ, M2PO τ = 0.04: docs/algorithms.md).
 
 from __future__ import annotations
 
-from unison.algorithms.corrections import TOKEN_LEVEL
+from unison.algorithms.corrections import BATCH_LEVEL, TOKEN_LEVEL
 from unison.algorithms.losses import SELF_CORRECTING, SEQUENCE_LEVEL
 from unison.errors import UnisonError
 
@@ -44,14 +44,23 @@ PRESETS: dict[str, dict] = {
     # (token_mis; verl rollout_is_threshold "0.5_5.0"); kept tokens are weighted by the ratio
     "grpo_icepop": dict(_GRPO, correction="token_mis", correction_c_low=0.5, correction_c=5.0),
     # IPO (prime-rl's default loss): mask a token when |π − π_old| > ε in probability, either sign of A;
-    # ratio-weighted policy gradient elsewhere + τ·(log π/π_old)²; π_old is μ (bypass), as in prime-rl
-    "ipo": dict(_PG, loss="ipo", clip=0.1, kl_tau=1e-3, anchor="bypass"),
-    # M2PO (arXiv 2510.01161; AReaL m2_threshold): GRPO with the tokens of largest (log π_old − log μ)²
-    # masked until the batch's mean second moment is below τ = 0.04
-    "grpo_m2po": dict(_GRPO, correction="m2po", correction_c=0.04),
+    # ratio-weighted policy gradient elsewhere + τ·(log π/π_old)²; π_old is μ (bypass), as in prime-rl; the ratio
+    # weight capped at 1e4 (prime-rl's max_importance_ratio: without it μ = 1e-6, π = 0.05 weighs 5e4)
+    "ipo": dict(_PG, loss="ipo", clip=0.1, kl_tau=1e-3, anchor="bypass", loss_c=1e4),
+    # M2PO (arXiv 2510.01161) as AReaL runs it: the decoupled loss (PPO clipped around the recomputed π_old,
+    # behaviour weight π_old/μ, tokens above 5 masked) on the tokens left when those of largest
+    # (log π_old − log μ)² are masked until the batch's mean second moment is below τ = 0.04
+    "grpo_m2po": dict(_GRPO, correction="m2po", correction_c=0.04, correction_cap=5.0),
+    # M2PO's mask alone, no behaviour weight (unison's grpo_m2po before it followed AReaL)
+    "grpo_m2po_mask": dict(_GRPO, correction="m2po_mask", correction_c=0.04),
 }
+#: every preset shares Dr.GRPO's advantage (R − group mean) and normaliser Σ/(B·L_max) unless it names its own (GSPO):
+#: arms of an experiment then differ in the correction alone. The cures' authors use others — IcePop's verl
+#: recipes GRPO's std advantage and a token mean, IPO's prime-rl a token mean over the batch's loss tokens, AReaL's
+#: M2PO group- then batch-normalised advantages and a token mean: set policy.advantage / policy.loss_agg to match
+#: them (docs/algorithms.md, "Presets and their sources")
 
-_POLICY_KEYS = ("advantage", "loss", "correction", "correction_c", "correction_c_low", "veto_threshold",
+_POLICY_KEYS = ("advantage", "loss", "correction", "correction_c", "correction_c_low", "correction_cap", "veto_threshold",
                 "clip", "clip_high", "loss_c", "loss_agg", "kl_tau", "anchor", "bypass")
 
 
@@ -80,6 +89,14 @@ def resolve_policy(algo: str, policy) -> dict:
     if out["loss"] in SELF_CORRECTING and out["correction"] != "none":
         raise UnisonError(f"policy.correction '{out['correction']}' cannot be combined with loss "
                           f"'{out['loss']}', which already weights by π/μ: set policy.correction=none")
+    if out["anchor"] == "bypass" and out["correction"] != "none":
+        raise UnisonError(f"policy.correction '{out['correction']}' with policy.anchor=bypass: π_old is μ itself, so "
+                          f"ρ = π_old/μ ≡ 1 and the correction would do nothing: set policy.anchor=recompute (the "
+                          f"learner's π_old), or policy.correction=none")
+    if out["anchor"] == "loglinear" and out["correction"] in BATCH_LEVEL:
+        raise UnisonError(f"policy.correction '{out['correction']}' masks over the whole batch's tokens and needs π_old "
+                          f"of every row before the update, which policy.anchor=loglinear interpolates per mini-batch: "
+                          f"set policy.anchor=recompute")
     if out["loss"] in SEQUENCE_LEVEL and out["correction"] in TOKEN_LEVEL:
         raise UnisonError(f"token-level correction '{out['correction']}' does not compose with the "
                           f"sequence-level loss '{out['loss']}': use seq_tis, seq_mis, geo_rs or veto")
@@ -88,7 +105,7 @@ def resolve_policy(algo: str, policy) -> dict:
 
 def correction_kwargs(policy: dict) -> dict:
     """Threshold arguments for the correction function; unset ones keep its own defaults."""
-    kw = {"c": policy["correction_c"], "c_low": policy["correction_c_low"],
+    kw = {"c": policy["correction_c"], "c_low": policy["correction_c_low"], "cap": policy["correction_cap"],
           "threshold": policy["veto_threshold"]}
     return {k: v for k, v in kw.items() if v is not None}
 

@@ -170,10 +170,13 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Ten
 
 
 def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask the support to top-k / top-p and renormalise (log space)."""
+    """Mask the support to top-k, then top-p over the top-k survivors renormalised (the order and the
+    renormalisation of HF's warpers and vLLM's sampler), and renormalise (log space)."""
     if top_k and top_k < logp.shape[-1]:
         kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
         logp = logp.masked_fill(logp < kth, float("-inf"))
+        if top_p < 1.0:
+            logp = torch.log_softmax(logp, dim=-1)
     if top_p < 1.0:
         sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
         probs = sorted_lp.exp()

@@ -17,6 +17,8 @@ forward pass. Two ways through the model:
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -88,8 +90,13 @@ class NativeEngine:
     def sync_weights(self, learner) -> dict[str, float]:
         """Take the learner's weights, cast to this engine's dtype on the learner's side (quantized
         rollout: the fp32 masters, quantized here)."""
-        self.load_weights(learner.export_weights(None if self._quant else self.dtype))
+        self.load_weights(self.weights_from(learner))
         return {}
+
+    def weights_from(self, learner):
+        """The ``(name, tensor)`` stream a sync loads: the learner's weights cast to this engine's dtype on the
+        learner's side (quantized rollout: the fp32 masters, quantized here)."""
+        return learner.export_weights(None if self._quant else self.dtype)
 
     def sleep(self) -> None:
         """Nothing to free: the native engine's cache lives only during ``generate``."""
@@ -121,22 +128,38 @@ class NativeEngine:
         a, mlp = layer.self_attn, layer.mlp
         return join([a.q_proj, a.k_proj, a.v_proj]), join([mlp.gate_proj, mlp.up_proj])
 
+    def _held(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What this engine holds for weight ``name`` loaded with ``tensor``: cast to its dtype (quantized rollout:
+        the decoder's linear weights quantized, then dequantized to it)."""
+        param = self._params.get(name)
+        if param is None:
+            raise UnisonError(f"weight '{name}' does not exist in the rollout model: "
+                              f"sync from a learner built on the same architecture")
+        if name in self._quant:
+            tensor = fake_quantize(tensor, self.quantization, param.dtype, self._quant[name], self.quant_group_size)
+        return tensor.to(device=param.device, dtype=param.dtype)
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy weights (any dtype) into the engine, cast to its dtype (quantized rollout: the
         decoder's linear weights quantized, then dequantized to it). Returns how many."""
         count = 0
         for name, tensor in named_tensors:
-            param = self._params.get(name)
-            if param is None:
-                raise UnisonError(f"weight '{name}' does not exist in the rollout model: "
-                                  f"sync from a learner built on the same architecture")
-            if name in self._quant:
-                tensor = fake_quantize(tensor, self.quantization, param.dtype, self._quant[name],
-                                       self.quant_group_size)
-            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            held = self._held(name, tensor)  # refuses a name the rollout model does not have
+            self._params[name].copy_(held)
             count += 1
         return count
+
+    @torch.no_grad()
+    def stale_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """``(tensors that differ, tensors compared)`` between what this engine holds and what loading
+        ``named_tensors`` (the learner's current weights) would make it hold, bit for bit: a weight sync that did
+        not reach the engine (the mismatch ledger's check, docs/ledger.md)."""
+        differ = total = 0
+        for name, tensor in named_tensors:
+            total += 1
+            differ += not torch.equal(self._params[name], self._held(name, tensor))
+        return differ, total
 
     # --------------------------------------------------------------- generation
     @torch.no_grad()
@@ -227,7 +250,9 @@ class NativeEngine:
         re-scored by this engine in one **prefill** pass per chunk of rows: its own weights (quantized when
         it samples quantized), dtype and prefill path — no KV cache carried from one token to the next —
         at ``params.temperature``, renormalised over the support each token was sampled from when the batch
-        carries it (top-p / top-k). Against the log μ recorded while decoding it isolates what the decode
+        carries it (top-p / top-k), with the experts the decode chose when it carries them (MoE: the prefill
+        would otherwise pick its own, and an expert flip would count as a decode difference and, with the
+        opposite sign, as an engine one). Against the log μ recorded while decoding it isolates what the decode
         path (caches, decode kernels) adds: the mismatch ledger's *decode* term."""
         if self.exact is not None:
             raise UnisonError("exact mode decodes and scores with one forward: there is no decode term to measure")
@@ -246,7 +271,15 @@ class NativeEngine:
             pos = (key_ok.long().cumsum(-1) - 1).clamp(min=0)
             want = torch.zeros_like(resp)
             want[:, :-1] = resp[:, 1:]  # the hidden state at t predicts token t + 1
-            h = self._backend(B, L, 0).hidden(ids, key_ok, pos, want.to(self.device))  # [n, d], rows of `want`
+            routing = batch.extras.get("routing")
+            if routing is not None:
+                from unison import moe
+
+                replay = moe.replay(self.model, moe.replay_indices(routing[rows]))
+            else:
+                replay = contextlib.nullcontext()
+            with replay:
+                h = self._backend(B, L, 0).hidden(ids, key_ok, pos, want.to(self.device))  # [n, d], rows of `want`
             logits = self._head(h).float()
             if params.temperature != 1.0:
                 logits = logits / params.temperature

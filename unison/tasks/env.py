@@ -68,6 +68,9 @@ class EpisodeRecord:
     messages: list[dict]
     #: ``(start, end, "model" | "env")`` spans of ``Completion.token_ids``, in order
     segments: list[tuple[int, int, str]] = field(default_factory=list)
+    #: the indices in ``messages`` of the model's turns, in order (an environment may add assistant messages of
+    #: its own: only these were sampled)
+    model_messages: list[int] = field(default_factory=list)
     turns: int = 0
     #: model turns cut at rollout.max_new_tokens (the environment read them as they were)
     cut_turns: int = 0
@@ -137,6 +140,8 @@ class _Episode:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.mask: list[int] = []
+        #: top-p / top-k: the support size each model token was sampled from (0 on the environment's tokens)
+        self.support: list[int] = []
         self.record = EpisodeRecord(messages=[])
         self.finish_reason, self.done = "stop", False
         self.versions: tuple[int, int] | None = None
@@ -159,11 +164,12 @@ class _Episode:
         """Tokens the episode may still add (model and environment) under task.max_episode_tokens."""
         return self.rt.spec.max_episode_tokens - (len(self.ids) - len(self.prompt))
 
-    def _append(self, toks, lps, model: bool) -> None:
+    def _append(self, toks, lps, model: bool, support=None) -> None:
         start = len(self.ids) - len(self.prompt)
         self.ids += toks
         self.logprobs += lps if model else [0.0] * len(toks)
         self.mask += [1 if model else 0] * len(toks)
+        self.support += list(support) if support is not None else [0] * len(toks)
         if toks:
             self.record.segments.append((start, start + len(toks), "model" if model else "env"))
 
@@ -178,9 +184,11 @@ class _Episode:
         """Take the turn the engine sampled; answer it (tools or ``step``); append what follows."""
         rt, tok = self.rt, self.rt.tokenizer
         toks, lps = list(c.token_ids), list(c.logprobs)
+        sup = list(c.support) if c.support is not None else None  # sampling-mask replay needs it, turn by turn
         cut = len(toks) > self.room
         if cut:
             toks, lps = toks[:self.room], lps[:self.room]
+            sup = sup[:self.room] if sup is not None else None
         if c.routing is not None:  # the experts of the inputs this call fed for the first time
             upto = len(self.ids) + len(toks) - 1
             self.routing.append(c.routing[self.routed:upto])
@@ -188,8 +196,9 @@ class _Episode:
         first, last = c.versions
         self.versions = (first, last) if self.versions is None else (min(self.versions[0], first),
                                                                      max(self.versions[1], last))
-        self._append(toks, lps, model=True)
+        self._append(toks, lps, model=True, support=sup)
         self.record.turns += 1
+        self.record.model_messages.append(len(self.record.messages))  # the message this turn becomes
         if cut or not toks:  # task.max_episode_tokens: nothing more fits
             self.record.messages.append({"role": "assistant", "content": tok.decode(toks, skip_special_tokens=False)})
             return self.finish("length", "episode_tokens")
@@ -276,7 +285,8 @@ class _Episode:
         return Completion(prompt_ids=list(self.prompt), token_ids=self.ids[n:], logprobs=self.logprobs,
                           finish_reason=self.finish_reason, prompt_index=self.index, sample_index=self.sample,
                           routing=torch.cat(self.routing) if self.routing else None,
-                          versions=self.versions or (0, 0), mask=self.mask, episode=self.record)
+                          versions=self.versions or (0, 0), mask=self.mask, episode=self.record,
+                          support=self.support if any(self.support) else None)
 
 
 @dataclass
