@@ -39,22 +39,26 @@ GOAL = 0.95
 REPORT, QUANT_REPORT, STALE_REPORT = "experiments/cures.md", "experiments/quantized_rollout.md", "experiments/staleness.md"
 REGIMES = {
     "int4 rollout": ("q-none-grpo", "q-int4-grpo",
-                     ["q-int4-qat", "q-int4-icepop", "q-int4-ipo", "q-int4-ipo_wide", "q-int4-m2po", "q-int4-budget"],
+                     ["q-int4-qat", "q-int4-icepop", "q-int4-ipo", "q-int4-ipo_wide", "q-int4-m2po", "q-int4-m2po_mask",
+                      "q-int4-budget"],
                      "mismatch/k3"),
     "fp8 rollout": ("q-none-grpo", "q-fp8-grpo", ["q-fp8-qat"], "mismatch/k3"),
     "K = 4 staleness": ("k0-naive", "k4-naive",
-                        ["k4-decoupled", "k4-dppo", "k4-icepop", "k4-ipo", "k4-ipo_wide", "k4-m2po", "k4-budget"],
+                        ["k4-decoupled", "k4-dppo", "k4-icepop", "k4-ipo", "k4-ipo_wide", "k4-m2po", "k4-m2po_mask",
+                         "k4-budget"],
                         "mismatch/staleness_k3"),
     "top-p 0.9": ("q-none-grpo", "p-topp-noreplay", ["p-topp-replay"], "mismatch/k3"),
 }
 LABELS = {
     "q-none-grpo": "no quantization, GRPO (clean)", "q-int4-grpo": "int4, GRPO", "q-int4-qat": "int4, GRPO + quantization_aware",
     "q-int4-icepop": "int4, grpo_icepop", "q-int4-ipo": "int4, ipo (ε 0.1, τ 1e-3)", "q-int4-ipo_wide": "int4, ipo (ε 0.3, τ 0)",
-    "q-int4-m2po": "int4, grpo_m2po", "q-int4-budget": "int4, GRPO + mismatch_budget", "q-fp8-grpo": "fp8, GRPO",
+    "q-int4-m2po": "int4, grpo_m2po (AReaL's decoupled M2PO)", "q-int4-m2po_mask": "int4, grpo_m2po_mask (mask only)",
+    "q-int4-budget": "int4, GRPO + mismatch_budget", "q-fp8-grpo": "fp8, GRPO",
     "q-fp8-qat": "fp8, GRPO + quantization_aware", "k0-naive": "K = 0, naive (clean)", "k4-naive": "K = 4, naive",
     "k4-decoupled": "K = 4, decoupled (grpo_token_tis)", "k4-dppo": "K = 4, dppo_tv + bypass",
     "k4-icepop": "K = 4, grpo_icepop", "k4-ipo": "K = 4, ipo (ε 0.1, τ 1e-3)", "k4-ipo_wide": "K = 4, ipo (ε 0.3, τ 0)",
-    "k4-m2po": "K = 4, grpo_m2po", "k4-budget": "K = 4, naive + mismatch_budget",
+    "k4-m2po": "K = 4, grpo_m2po (AReaL's decoupled M2PO)", "k4-m2po_mask": "K = 4, grpo_m2po_mask (mask only)",
+    "k4-budget": "K = 4, naive + mismatch_budget",
     "p-topp-noreplay": "top-p 0.9, GRPO, no replay", "p-topp-replay": "top-p 0.9, GRPO + sampling-mask replay",
 }
 
@@ -227,7 +231,46 @@ def section(arms, names) -> list[str]:
     return lines
 
 
+def m2po_section(root: Path, docs: Path) -> Path:
+    """``--m2po RUNS DOCS``: the M2PO re-run (issue 42: ``grpo_m2po`` became AReaL's decoupled M2PO) as its own block
+    of experiments/cures.md, between ``<!-- m2po:begin -->`` and ``<!-- m2po:end -->``, each regime's clean run and
+    collapsing baseline re-run beside it (paired by seed on this CPU)."""
+    arms = load(root)
+    saved = dict(REGIMES)
+    REGIMES.clear()
+    REGIMES.update({"int4 rollout": (saved["int4 rollout"][0], saved["int4 rollout"][1], ["q-int4-m2po"], "mismatch/k3"),
+                    "K = 4 staleness": (saved["K = 4 staleness"][0], saved["K = 4 staleness"][1], ["k4-m2po"],
+                                        "mismatch/staleness_k3")})
+    try:
+        lines = section(arms, list(REGIMES))
+    finally:
+        REGIMES.clear()
+        REGIMES.update(saved)
+    wall = sum(x["wall"] for runs in arms.values() for x in runs.values())
+    block = "\n".join(["<!-- m2po:begin -->", "## M2PO as AReaL runs it (re-run, issue 42)", "",
+                       "`grpo_m2po` is now AReaL's M2PO: the decoupled loss's behaviour weight π_old/μ (tokens above 5 "
+                       "masked) on the tokens M2PO's batch mask keeps; the rows labelled `grpo_m2po_mask` above are the "
+                       "variant that ran as `grpo_m2po` before (the 0/1 mask alone, no behaviour weight: without it "
+                       "AReaL's M2 term is identically 0). Same recipe, 3 seeds, each regime's clean and collapsing runs "
+                       "re-run beside it on this CPU and paired by seed (`ARMS=\"q-none-grpo q-int4-grpo q-int4-m2po "
+                       "k0-naive k4-naive k4-m2po\" OUT=runs/cures-m2po bash experiments/cures/run.sh && python "
+                       f"experiments/cures/analyze.py --m2po runs/cures-m2po docs`; step time {wall / 3600:.1f} h):", "",
+                       *lines, "<!-- m2po:end -->"])
+    report = docs / REPORT
+    text = report.read_text()
+    if "<!-- m2po:begin -->" in text:
+        text = re.sub(r"<!-- m2po:begin -->.*<!-- m2po:end -->", lambda _: block, text, flags=re.S)
+    else:
+        anchor = "## Is the learner worse"
+        text = text.replace(anchor, block + "\n\n" + anchor, 1) if anchor in text else text.rstrip() + "\n\n" + block
+    report.write_text(text + ("" if text.endswith("\n") else "\n"))
+    return report
+
+
 def main() -> None:
+    if sys.argv[1] == "--m2po":
+        print(m2po_section(Path(sys.argv[2]), Path(sys.argv[3])))
+        return
     root, docs = Path(sys.argv[1]), Path(sys.argv[2])
     arms = load(root)
     report = docs / REPORT

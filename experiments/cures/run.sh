@@ -5,13 +5,17 @@
 # step, lr 1e-4, 60 steps, fp32 compute on both sides, 3 seeds), every lever at its source's defaults — no
 # per-regime tuning:
 #   int4 rollout  x {grpo, grpo + quantization_aware, grpo_icepop, ipo (eps 0.1 / tau 1e-3 and 0.3 / 0),
-#                    grpo_m2po, grpo + mismatch_budget}; fp8 x {grpo, grpo + quantization_aware}; clean: none/grpo
-#   K = 4 staleness x {naive, decoupled, dppo, grpo_icepop, ipo (both), grpo_m2po, naive + mismatch_budget};
+#                    grpo_m2po (AReaL's), grpo_m2po_mask, grpo + mismatch_budget}; fp8 x {grpo, grpo + quantization_aware}; clean: none/grpo
+#   K = 4 staleness x {naive, decoupled, dppo, grpo_icepop, ipo (both), grpo_m2po, grpo_m2po_mask,
+#                    naive + mismatch_budget};
 #                    clean: K = 0 naive
 #   top-p 0.9      x grpo with and without sampling-mask replay
 # Every arm is a directory of its own under $OUT sharing one warm start and perfectible set; rerun to
 # continue (finished arms are reused). Then the deploy gap of the int4 arms and the reports:
 #   bash experiments/cures/run.sh          (one command; ~4 h on 2 cores, one thread per run)
+# ARMS="name ..." runs only those arms (and no analysis), e.g. the M2PO re-run of issue 42:
+#   ARMS="q-none-grpo q-int4-grpo q-int4-m2po k0-naive k4-naive k4-m2po" OUT=runs/cures-m2po PAR=2 \
+#     bash experiments/cures/run.sh && python experiments/cures/analyze.py --m2po runs/cures-m2po docs
 # writes runs/cures/ and docs/experiments/cures.md (+ the cures sections of
 # docs/experiments/quantized_rollout.md and docs/experiments/staleness.md). PAR=2 runs two arms side by side (one thread each).
 set -euo pipefail
@@ -32,8 +36,12 @@ QUANT=(--set train.micro_batch_tokens=null)  # the micro-batching experiments/qu
 STALE=(--set train.micro_batch_tokens=4096 --set mismatch.decompose_every=5 --set rollout.worker_threads=1)
 IPO_WIDE=(--set policy.clip=0.3 --set policy.kl_tau=0)
 
+ARMS=${ARMS:-}
+wanted() { [ -z "$ARMS" ] || [[ " $ARMS " == *" $1 "* ]]; }
+
 arm() {  # arm NAME ARGS...: one sanity run (3 seeds) in $OUT/NAME, sharing the first arm's warm start
   local name=$1; shift
+  wanted "$name" || [ "$name" = q-none-grpo ] || return 0
   local d="$OUT/$name"
   mkdir -p "$d"
   if [ "$name" != q-none-grpo ] && [ ! -e "$d/sft" ]; then
@@ -62,6 +70,7 @@ run_all \
   "q-int4-ipo --quantization int4 --algorithms ipo ${QUANT[*]}" \
   "q-int4-ipo_wide --quantization int4 --algorithms ipo ${IPO_WIDE[*]} ${QUANT[*]}" \
   "q-int4-m2po --quantization int4 --algorithms grpo_m2po ${QUANT[*]}" \
+  "q-int4-m2po_mask --quantization int4 --algorithms grpo_m2po_mask ${QUANT[*]}" \
   "q-int4-budget --quantization int4 --algorithms grpo --set train.schedule=mismatch_budget ${QUANT[*]}" \
   "q-fp8-grpo --quantization fp8 --algorithms grpo ${QUANT[*]}" \
   "q-fp8-qat --quantization fp8 --algorithms grpo --set train.quantization_aware=true ${QUANT[*]}" \
@@ -73,8 +82,10 @@ run_all \
   "k4-ipo --algorithms ipo --set rollout.max_staleness=4 ${STALE[*]}" \
   "k4-ipo_wide --algorithms ipo ${IPO_WIDE[*]} --set rollout.max_staleness=4 ${STALE[*]}" \
   "k4-m2po --algorithms grpo_m2po --set rollout.max_staleness=4 ${STALE[*]}" \
+  "k4-m2po_mask --algorithms grpo_m2po_mask --set rollout.max_staleness=4 ${STALE[*]}" \
   "k4-budget --algorithms grpo --set train.schedule=mismatch_budget --set rollout.max_staleness=4 ${STALE[*]}" \
   "p-topp-replay --algorithms grpo --set rollout.top_p=0.9 ${QUANT[*]}" \
   "p-topp-noreplay --algorithms grpo --set rollout.top_p=0.9 --set rollout.replay_sampling_mask=false ${QUANT[*]}"
+[ -n "$ARMS" ] && exit 0
 $PY experiments/cures/deploy_gap.py "$OUT"
 $PY experiments/cures/analyze.py "$OUT" docs
