@@ -42,13 +42,13 @@ from unison.algorithms.anchors import OldLogp
 from unison.batch import Completion, collate
 from unison.config import load_config
 from unison.learner import Learner
-from unison.models import resolve_model_dir
+from unison.models import load_tokenizer, resolve_model_dir
 rollout, repeats, sets = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rows = json.load(open(rollout))
 cfg = load_config(None, sets)
 learner = Learner.from_config(cfg, resolve_model_dir(cfg.model))
 comps = [Completion(prompt_ids=r["p"], token_ids=r["t"], logprobs=r["l"], finish_reason="length") for r in rows]
-batch = collate(comps, learner.tokenizer.pad_token_id)
+batch = collate(comps, load_tokenizer(learner.model_dir).pad_token_id)
 batch.rewards = torch.tensor([len(r["t"]) / 128 for r in rows])
 batch.advantages = batch.rewards - batch.rewards.mean()
 shares = learner._shares(torch.arange(batch.size), batch)[0]

@@ -301,7 +301,8 @@ def _one_batch(engine, n=2, tokens=12, **sampling):
 
 def test_quantization_aware_gradient_is_straight_through_to_the_master(tiny_dir):
     """∂L/∂W_master under QAT == ∂L/∂W_q of the same loss computed on a model that holds W_q = Q(W)."""
-    from unison.learner import Learner, token_logprobs
+    from unison.learner import Learner
+    from unison.policy import token_logprobs
     from unison.quant import fake_quantize, targets
 
     qat = _perturbed(Learner(tiny_dir, quantization_aware=("int4", 64)))

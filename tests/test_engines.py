@@ -135,7 +135,7 @@ def test_token_logprobs_alignment_temperature_and_entropy_by_hand():
     import math
     from types import SimpleNamespace
 
-    from unison.learner import token_logprobs
+    from unison.policy import token_logprobs
 
     # position t predicts token t+1; vocab of 3; fixed logits per position (an identity output layer)
     logits = torch.tensor([[[0.0, 0.0, 0.0], [2.0, 0.0, 0.0], [9.0, 9.0, 9.0]]])

@@ -1,5 +1,5 @@
 """The CPU's fp32 matmul library (unison/gemm.py), the fused output layer of the learner's log-probs
-(learner._HeadLogp), the last log-prob chunk kept rather than recomputed, and fused AdamW: what each
+(policy._HeadLogp), the last log-prob chunk kept rather than recomputed, and fused AdamW: what each
 computes is held to the old path's numbers (fp32 rounding) or to numbers worked out by hand."""
 
 import math
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from unison import gemm, learner
+from unison import gemm, optim, policy
 from unison.config import load_config
 from unison.errors import UnisonError
 from unison.trainer import Trainer
@@ -154,7 +154,7 @@ def test_the_fused_head_gives_hand_computed_log_probs_entropy_and_gradient():
     with torch.no_grad():
         head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]))
     h = torch.tensor([[1.0, 0.0]], requires_grad=True)
-    lp, ent = learner._head_logp(h, torch.tensor([0]), head, 1.0, None, True)
+    lp, ent = policy._head_logp(h, torch.tensor([0]), head, 1.0, None, True)
     e = [math.exp(1), 1.0, math.exp(-1)]
     s = sum(e)
     p = [v / s for v in e]
@@ -180,7 +180,7 @@ def test_the_fused_head_equals_the_unfused_path(choice, temperature):
     t, up = torch.randint(0, 50, (37,), generator=g), torch.randn(37, generator=g)
     out = []
     for transform in (None, lambda z: z):  # an identity transform takes the unfused path
-        lp, ent = learner._head_logp(h, t, head, temperature, transform, True)
+        lp, ent = policy._head_logp(h, t, head, temperature, transform, True)
         (lp * up).sum().backward()
         out.append([lp.detach(), ent, h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()])
         h.grad = None
@@ -192,10 +192,10 @@ def test_the_fused_head_equals_the_unfused_path(choice, temperature):
 def test_the_last_log_prob_chunk_is_kept_and_the_others_recomputed(monkeypatch, tiny_dir):
     from unison.models import load_model
 
-    model = learner.PolicyForward(load_model(tiny_dir))
+    model = policy.PolicyForward(load_model(tiny_dir))
     calls = []
-    real = learner._head_logp
-    monkeypatch.setattr(learner, "_head_logp", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = policy._head_logp
+    monkeypatch.setattr(policy, "_head_logp", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     tokens = torch.randint(3, 20, (2, 9))
     grads = {}
     for chunk in (0, 6):  # one chunk of 16 positions; chunks of 6, 6 and 4
@@ -214,7 +214,7 @@ def test_adamw_is_fused_for_plain_parameters_and_steps_as_the_loop_does():
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(4, generator=g))]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    fused = learner.adamw(params, lr=1e-2, weight_decay=0.1)
+    fused = optim.adamw(params, lr=1e-2, weight_decay=0.1)
     loop = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
     assert fused.defaults["fused"] is True
     for i in range(3):
@@ -229,17 +229,18 @@ def test_adamw_is_fused_for_plain_parameters_and_steps_as_the_loop_does():
 
 def test_a_small_model_keeps_the_unfused_head_and_for_each_adamw(tiny_dir):
     from unison.models import load_model
-    from unison.threads import SMALL_MODEL, small_model
+    from unison.runtime import small_model
+    from unison.threads import SMALL_MODEL
 
     tiny = load_model(tiny_dir)
-    assert small_model(tiny) and not learner.PolicyForward(tiny).fused_head
-    assert learner.adamw(list(tiny.parameters()), not small_model(tiny), lr=1e-3).defaults["fused"] is False
+    assert small_model(tiny) and not policy.PolicyForward(tiny).fused_head
+    assert optim.adamw(list(tiny.parameters()), not small_model(tiny), lr=1e-3).defaults["fused"] is False
     big = torch.nn.Linear(3200, 3200)  # 10,243,200 parameters
     assert big.weight.numel() + big.bias.numel() >= SMALL_MODEL and not small_model(big)
     # the tiny model's head takes the unfused path: a transform-free call records no _HeadLogp node
     h = torch.randn(4, tiny.config.hidden_size, requires_grad=True)
-    lp, _ = learner._head_logp(h, torch.tensor([1, 2, 3, 4]), tiny.get_output_embeddings(), 1.0, None, False, None,
+    lp, _ = policy._head_logp(h, torch.tensor([1, 2, 3, 4]), tiny.get_output_embeddings(), 1.0, None, False, None,
                                False)
     assert "HeadLogp" not in type(lp.grad_fn).__name__
-    lp, _ = learner._head_logp(h, torch.tensor([1, 2, 3, 4]), tiny.get_output_embeddings(), 1.0, None, False)
+    lp, _ = policy._head_logp(h, torch.tensor([1, 2, 3, 4]), tiny.get_output_embeddings(), 1.0, None, False)
     assert "HeadLogp" in type(lp.grad_fn).__name__

@@ -43,13 +43,14 @@ class _Learner:
     def __init__(self, quantizer):
         self.q, self.replay_sampling_mask = quantizer, False
 
-    def score(self, batch, weights=None):
+    def score(self, batch, weights=None, *, replay_sampling_mask=None, routing_replay=None):
+        replay = self.replay_sampling_mask if replay_sampling_mask is None else replay_sampling_mask
         out = torch.zeros(batch.tokens.shape)
         for i in range(batch.size):
             row = int(batch.tokens[i, 0]) - 5  # the prompt token names the row
             if self.q.enabled:
                 vals = AS_ENGINE[row]
-            elif self.replay_sampling_mask:
+            elif replay:
                 vals = NO_QUANT[row]
             else:
                 vals = FULL_VOCAB[row] if (weights is not None or row == 1) else PI_OLD[row]

@@ -99,10 +99,10 @@ def test_routing_replay_gives_the_learner_the_rollouts_experts(zoo):
                 p.add_(0.5 * p.std() * torch.randn_like(p))  # routers perturbed: routing flips
     from unison import moe
 
-    plain = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)
-    flips = moe.disagreement(batch.extras["routing"], learner.last_routing, batch.response_mask)
-    learner.routing_replay = True
-    replayed = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)
+    logp, routing = learner.score(batch, with_routing=True)
+    plain = mismatch_metrics(logp, batch.logp_mu, batch.response_mask)
+    flips = moe.disagreement(batch.extras["routing"], routing, batch.response_mask)
+    replayed = mismatch_metrics(learner.score(batch, routing_replay=True), batch.logp_mu, batch.response_mask)
     assert flips > 0.05
     assert replayed["mismatch/k3"] < plain["mismatch/k3"]
 
@@ -224,7 +224,7 @@ def test_packed_rows_score_and_train_as_padded_rows_in_every_architecture(zoo, a
     """train.packing: three sequences (two longer than the 24-token sliding windows) in one row give
     the log-probs and gradients of the same sequences in padded rows, to fp32 rounding — by one sdpa
     call per sequence (Gemma 2, eager for its soft-capping: by transformers' block-diagonal mask)."""
-    from unison.learner import PolicyForward
+    from unison.policy import PolicyForward
     from unison.models import load_model, use_packed_attention
 
     g = torch.Generator().manual_seed(0)

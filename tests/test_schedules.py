@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from unison.schedules import (BaselineRatioDetector, EMARatioDetector, GradNoiseTracker, LRSchedule,
-                              SurgeDecaySchedule, noise_scale_terms)
+from unison.optim import GradNoiseTracker, noise_scale_terms
+from unison.schedules import BaselineRatioDetector, EMARatioDetector, LRSchedule, SurgeDecaySchedule
 
 
 def test_constant_warmup_and_cosine_by_hand():

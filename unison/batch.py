@@ -156,3 +156,30 @@ def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] 
         version=torch.tensor([c.versions[0] for c in completions]),
         version_last=torch.tensor([c.versions[1] for c in completions]),
     )
+
+
+def micro_batches(rows: torch.Tensor, world_size: int, max_rows: int, budget: int | None = None,
+                  lengths: torch.Tensor | None = None, packing: bool = False) -> list[list[torch.Tensor]]:
+    """Each rank's micro-batches of ``rows``: rank r takes rows[r::world_size], split into pieces of at most
+    ``max_rows`` rows and — with a token ``budget`` (and the rows' ``lengths``) — at most that many tokens (rows ×
+    the piece's longest row, or with ``packing`` the rows' own lengths: rows are grouped by length, longest first,
+    as verl's dynamic batch size does). Every rank computes every rank's share (no communication)."""
+    if budget is None or lengths is None:
+        return [list(rows[r::world_size].split(max_rows)) for r in range(world_size)]
+    out = []
+    for r in range(world_size):
+        mine = rows[r::world_size]
+        order = mine[torch.argsort(lengths[mine], descending=True, stable=True)].tolist()
+        groups, cur, widest, used = [], [], 0, 0
+        for i in order:
+            L = int(lengths[i])
+            need = used + L if packing else (len(cur) + 1) * max(widest, L)  # packed: no padding
+            if cur and (len(cur) == max_rows or need > budget):
+                groups.append(torch.tensor(cur))
+                cur, widest, used = [], 0, 0
+            cur.append(i)
+            widest, used = max(widest, L), used + L
+        if cur:
+            groups.append(torch.tensor(cur))
+        out.append(groups)
+    return out

@@ -21,11 +21,19 @@ complete checkpoint instead of stranding it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
+import warnings
 from pathlib import Path
+
+import numpy as np
+import torch
+
+from unison.errors import UnisonError
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -112,3 +120,266 @@ def clean_partial(ckdir: Path) -> None:
     if ckdir.is_dir():
         for tmp in ckdir.glob(".tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ the learner's weights and optimizer
+def full_state_dict(scorer) -> dict[str, torch.Tensor]:
+    """Full model weights (rank 0; empty on the others), names as in the HF model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(scorer.forward_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k[len("lm."):]: v for k, v in sd.items()}
+
+
+def save_model(scorer, path: Path, tokenizer) -> None:
+    """The model for others to load (collective; rank 0 writes): a Hugging Face directory with the full weights,
+    or with LoRA the adapters in PEFT's format (+ the tokenizer)."""
+    weights = full_state_dict(scorer)
+    if scorer.dist.is_main:
+        from unison.models import save_model_dir
+
+        if scorer.peft is not None:
+            from unison import lora
+
+            lora.save(scorer.peft, weights, path)
+            tokenizer.save_pretrained(path)
+        else:
+            save_model_dir(scorer.model, tokenizer, path, state_dict=weights)
+
+
+def read_model(scorer, path: Path) -> dict[str, torch.Tensor]:
+    """The weights :func:`save_model` wrote (rank 0 reads; the others get ``{}``). Raises on a file that cannot be
+    read; :class:`UnisonError` when they do not fit this model."""
+    if not scorer.dist.is_main:
+        return {}
+    from safetensors.torch import load_file
+
+    if scorer.peft is not None:
+        from unison import lora
+
+        weights = lora.load(path)
+        expected = {n for n, p in scorer.model.named_parameters() if ".lora_" in n}
+        if set(weights) != expected:
+            raise UnisonError(f"checkpoint '{path}' holds other adapters than lora.* describes: resume "
+                              f"with the run's own config")
+        return weights
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(f))
+    check_model_keys(scorer.model, weights, str(path))
+    return weights
+
+
+def save_optimizer(learner, path: Path) -> None:
+    """Optimizer state with ``torch.distributed.checkpoint`` (sharded: every rank writes its part; keyed by
+    parameter name, so it loads on another world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with _quiet_dcp():
+        dcp.save({"optimizer": get_optimizer_state_dict(learner.forward_module, learner.opt)}, checkpoint_id=str(path))
+
+
+def load_optimizer(learner, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(learner.forward_module, learner.opt)}
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(learner.forward_module, learner.opt, state["optimizer"])
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns that it runs "in a single process" when there is no process group: intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def check_model_keys(model, weights: dict, where: str) -> None:
+    """Refuse weights that do not fit the model (tied output embeddings are stored once)."""
+    expected = set(model.state_dict())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in expected - set(weights) if not (tied and k == "lm_head.weight")]
+    unexpected = sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise UnisonError(f"checkpoint '{where}' does not match the model (missing {sorted(missing)[:3]}, "
+                          f"unexpected {unexpected[:3]}): resume with the run's own config")
+
+
+# ------------------------------------------------------------------ the run's checkpoints
+class Checkpointer:
+    """The run's ``checkpoints/``: writes every component's state into one checkpoint (collective: every rank
+    writes its optimizer shard and its RNGs) and resumes from the newest usable one, falling back past damaged
+    ones. The components are the trainer's: the learner (weights, optimizer, scaler), the LR schedule, the
+    gradient-noise tracker, the rollout source (prompt sampler, batches in flight) and the watchdogs' counters."""
+
+    def __init__(self, run_dir: Path, dist, keep: int, learner, tokenizer, schedule, noise, source, watchdogs,
+                 log=lambda m: None):
+        self.dir, self.dist, self.keep, self.log = Path(run_dir) / "checkpoints", dist, keep, log
+        self.learner, self.tokenizer = learner, tokenizer
+        self.schedule, self.noise, self.source, self.watchdogs = schedule, noise, source, watchdogs
+
+    def saved(self) -> list[Path]:
+        return complete(self.dir)
+
+    def save(self, step: int) -> Path:
+        """Write ``checkpoints/step_N`` for the run at ``step``."""
+        import random
+
+        d = self.dist
+        name = f"{PREFIX}{step:06d}"
+        final, tmp = self.dir / name, self.dir / f".tmp-{name}"
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        d.barrier()
+        self.learner.save_model(tmp / "model", self.tokenizer)  # collective; rank 0 writes
+        self.learner.save_optimizer(tmp / "optimizer")  # collective
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()  # plain data and tensors: loads weights_only
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))},
+                   tmp / f"rng_rank{d.rank}.pt")
+        d.barrier()
+        if d.is_main:
+            source = self.source.state_dict()
+            state = {"step": step, "world_size": d.world_size, "learner": self.learner.state_dict(),
+                     "schedule": self.schedule.state_dict(), "sampler": source["sampler"],
+                     "grad_noise": self.noise.state_dict(), **self.watchdogs.state_dict(), "source": source}
+            torch.save(state, tmp / "trainer_state.pt")
+            publish(tmp, final, self.keep)
+        d.barrier()
+        return final
+
+    def resume(self) -> int:
+        """Load the newest usable checkpoint (falling back past damaged ones) into every component; its step."""
+        found = list(reversed(self.saved()))
+        if not found:
+            self.log("[train] --resume: no checkpoint yet, starting from step 0")
+            return 0
+        for i, ck in enumerate(found):
+            problem = verify(ck) if self.dist.is_main else None
+            problem = self.dist.broadcast_object(problem)
+            step = None
+            if problem is None:
+                step, problem = self._load(ck)
+            if problem is None:
+                newest = ", the newest usable checkpoint" if i else ""
+                self.log(f"[train] resumed from {ck.name} (step {step}){newest}")
+                return step
+            later = f"; falling back to {found[i + 1].name}" if i + 1 < len(found) else ""
+            self.log(f"[train] --resume: checkpoint {ck.name} is damaged ({problem}){later}")
+        raise UnisonError(f"--resume: no usable checkpoint in '{self.dir}' (every one is damaged): "
+                          f"start a new run with another --out")
+
+    def _load(self, ck: Path) -> tuple[int | None, str | None]:
+        """Load ``ck``: (its step, None), or (None, a one-line reason it cannot be read)."""
+        import random
+
+        try:
+            state = load_data(ck / "trainer_state.pt")
+            weights = self.learner.read_model(ck / "model")
+        except UnisonError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any unreadable piece makes the checkpoint unusable
+            return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        self.learner.load_full_state_dict(weights)
+        self.learner.load_optimizer(ck / "optimizer")
+        self.learner.load_state_dict(state["learner"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.noise.load_state_dict(state["grad_noise"])
+        self.source.load_state_dict(state.get("source") or {"sampler": state["sampler"]})
+        self.watchdogs.load_state_dict(state)
+        rng = ck / f"rng_rank{self.dist.rank}.pt"
+        if rng.exists():  # absent when resuming on more ranks than wrote the checkpoint
+            r = load_data(rng)
+            torch.set_rng_state(r["torch"])
+            random.setstate(r["python"])
+            kind, keys, *rest = r["numpy"]  # the keys: a tensor, or a numpy array (written by an older unison)
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+        step = state["step"]
+        self.source.resume(self.learner, step)
+        return step, None
+
+
+def resumed_gemm(cfg, run_dir: Path) -> str:
+    """``gemm: auto`` on --resume: the library the run chose at its start (its config.yaml), so that the
+    resumed steps round as the first ones did; an explicit choice is taken as given."""
+    import yaml
+
+    if cfg.gemm != "auto":
+        return cfg.gemm
+    try:
+        saved = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8")) or {}).get("gemm")
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, AttributeError):
+        return cfg.gemm
+    return saved if saved in ("blas", "onednn") else cfg.gemm
+
+
+def _numpy_arrays() -> list:
+    """What numpy arrays and scalars of plain dtypes need to unpickle (RNG files written before the keys
+    became a tensor; a numpy number in a component's state), under numpy 2's names and numpy 1's."""
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # pragma: no cover - numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar
+    dtypes = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                          np.uint32, np.uint64, np.float16, np.float32, np.float64)]
+    return [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"), scalar,
+            (scalar, "numpy.core.multiarray.scalar"), np.ndarray, np.dtype, *dtypes]
+
+
+def load_data(path: Path):
+    """A checkpoint's small state, read as data only (``weights_only``: tensors, numbers, strings,
+    containers, numpy arrays): a run directory written by someone else cannot run code here. Anything
+    else is refused in one line, not skipped over as damage."""
+    import pickle
+    import re
+
+    try:
+        with torch.serialization.safe_globals(_numpy_arrays()):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not str(e).startswith("Weights only load failed"):
+            raise
+        what = re.findall(r"GLOBAL (\S+)", str(e))
+        raise UnisonError(f"--resume: {path} holds more than data{f' (a pickled {what[0]})' if what else ''}: unison "
+                          f"reads checkpoints as data only and will not run code from a run directory; resume only "
+                          f"from checkpoints unison wrote, or start a new run with another --out") from None
+
+
+class SignalStop:
+    """SIGTERM / SIGINT in a one-process run: finish the step in progress, save, stop (exit 143 /
+    130). A second signal stops at once, without saving (the last checkpoint stays)."""
+
+    CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+    def __init__(self, log):
+        self.log, self.signum = log, None
+        self._old = {}
+        try:
+            for s in self.CODES:
+                self._old[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread: leave the handlers alone
+            self._old = {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.log(f"[train] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                 f"(send it again to stop now without saving)")
+
+    @property
+    def code(self) -> int:
+        return self.CODES.get(self.signum, 143)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)

@@ -108,12 +108,13 @@ def cmd_probe(args) -> int:
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
+    from unison import runtime
     from unison.probe import validate
-    from unison.threads import parse_threads, setup
+    from unison.threads import parse_threads
 
-    threads = parse_threads(args.threads or "auto")
-    setup(threads, model_dir=validate(cfg).model_dir,  # every input checked first: an error stays one line
-          log=lambda m: print(f"[probe] {m}", file=sys.stderr, flush=True))
+    # every input checked first (an error stays one line); the probe keeps torch's BLAS: its rows are comparable
+    runtime.setup(parse_threads(args.threads or "auto"), "blas", validate(cfg).model_dir, device=cfg.device,
+                  log=lambda m: print(f"[probe] {m}", file=sys.stderr, flush=True))
     out = run_probe(cfg)
     written = write_outputs(out, out_dir)
     console = Console(width=max(Console().width, 170))

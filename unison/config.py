@@ -19,7 +19,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from unison.errors import UnisonError
-from unison.tasks.math import MATH_TEMPLATE
 
 
 class _Section(BaseModel):
@@ -64,10 +63,11 @@ class TaskConfig(_Section):
     path: str | None = None
     #: math, jsonl, env: JSONL file for evaluation (default: hold out rows of ``path``, see ``eval_size``)
     eval_path: str | None = None
-    #: math: prompt template (``{problem}``), printed at start; jsonl: an optional template over the
-    #: row's fields (``{prompt}``, ...; the math default leaves jsonl prompts as written); both go
-    #: inside the chat template when the model has one. Other tasks ignore it
-    template: str = MATH_TEMPLATE
+    #: math: prompt template (``{problem}``; null: Paper A's instruction after the problem, MATH_TEMPLATE in
+    #: unison/tasks/math.py), printed at start; jsonl: an optional template over the row's fields (``{prompt}``,
+    #: ...; null: the prompts as written); both go inside the chat template when the model has one. Other tasks
+    #: ignore it
+    template: str | None = None
     #: reasoning_gym: dataset name, e.g. ``basic_arithmetic``, ``chain_sum``
     dataset: str | None = None
     #: custom reward ``module:function`` (``module.py`` next to the config file, or importable) or

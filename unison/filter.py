@@ -45,7 +45,7 @@ def pass_rates(engine, task, reward, items, tokenizer, k: int, temperature: floa
     params = SamplingParams(n=k, temperature=temperature, max_tokens=max_new_tokens, seed=seed)
     for s in range(0, len(items), chunk):
         part = items[s:s + chunk]
-        if getattr(task, "multi_turn", False):  # episodes, turn by turn
+        if task.multi_turn:  # episodes, turn by turn
             task.prepare(tokenizer)
             prompts = task.episodes(part)
         else:
@@ -62,13 +62,12 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
                max_prompts: int | None = None, log=print) -> dict:
     """Sample ``k`` responses per training prompt of ``cfg.task`` with ``cfg.model``; write
     the prompts whose pass rate is in ``band`` as JSONL (``prompt``, ``answer``, ``pass_rate``)."""
+    from unison import runtime
     from unison.data_io import atomic_write_text
     from unison.models import load_tokenizer, resolve_model_dir
     from unison.precision import Precision
-    from unison.rollout import make_engine
+    from unison.rollout import check_engine_available, make_engine
     from unison.tasks import make_reward, make_task
-    from unison import gemm
-    from unison.threads import setup
 
     if k < 1:
         raise UnisonError(f"--k {k} is invalid: sample at least one response per prompt")
@@ -76,14 +75,12 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
     task = make_task(cfg.task, evaluate=False)
     reward = make_reward(task, cfg.task)
     prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
+    check_engine_available(cfg.engine, cfg.vllm.mode)
+    tokenizer = load_tokenizer(model_dir)
+    runtime.setup(cfg.threads, cfg.gemm, model_dir, device=cfg.device,  # after the checks, before the engine loads
+                  fp32=prec.rollout_dtype == torch.float32, log=lambda m: log(f"[filter] {m}"))
     engine = make_engine(cfg.engine, model_dir, prec.rollout_dtype, device=cfg.device, seed=cfg.seed,
                          **cfg.vllm.model_dump())
-    tokenizer = load_tokenizer(model_dir)
-    setup(cfg.threads, model_dir=model_dir, log=lambda m: log(f"[filter] {m}"))  # after the checks: errors stay one line
-    gemm.setup(cfg.gemm, model_dir=model_dir, device=cfg.device, fp32=prec.rollout_dtype == torch.float32,
-               log=lambda m: log(f"[filter] {m}"))
-    if getattr(engine, "model", None) is not None:  # loaded before the choice: routed now
-        gemm.apply(engine.model)
     torch.manual_seed(cfg.seed)
     log(f"[filter] sampling {k} responses for each of {len(task.train)} prompts")
     rates = pass_rates(engine, task, reward, task.train, tokenizer, k, cfg.rollout.temperature,

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from unison.errors import UnisonError
+from unison.threads import SMALL_MODEL, size_text
 
 CHOICES = ("auto", "blas", "onednn")
 #: oneDNN is taken by ``auto`` only this much faster than BLAS (below it, within a busy machine's noise)
@@ -81,8 +82,6 @@ def decide(setting, hidden: int, intermediate: int, params: int, device: str = "
         return Gemm("onednn", "gemm: onednn")
     if setting == "blas":
         return Gemm("blas", "gemm: blas")
-    from unison.threads import SMALL_MODEL, _size
-
     if device != "cpu":
         return Gemm("blas", f"auto: device {device}")
     if world_size > 1:
@@ -90,7 +89,7 @@ def decide(setting, hidden: int, intermediate: int, params: int, device: str = "
     if not fp32:
         return Gemm("blas", "auto: no fp32 matmuls in this run")
     if params < SMALL_MODEL:
-        return Gemm("blas", f"auto: a {_size(params)}-parameter model's matmuls are too small to measure")
+        return Gemm("blas", f"auto: a {size_text(params)}-parameter model's matmuls are too small to measure")
     if not onednn_available():
         return Gemm("blas", "auto: no oneDNN in this torch")
     ratio, agree = measure(hidden, intermediate)
@@ -125,16 +124,12 @@ def measure(hidden: int, intermediate: int, rows: int = ROWS, rounds: int = ROUN
     return best[blas] / max(best[onednn], 1e-9), agree
 
 
-def setup(setting, model_dir=None, device: str = "cpu", world_size: int = 1, fp32: bool = True, log=None) -> Gemm:
-    """Decide (:func:`decide`, reading the model's sizes from ``model_dir``) and make it this process's
-    choice: models loaded from now on follow it. ``log`` gets one line."""
+def setup(setting, hidden: int = 0, intermediate: int = 0, params: int = 0, device: str = "cpu", world_size: int = 1,
+          fp32: bool = True, log=None) -> Gemm:
+    """Decide (:func:`decide`, for a model of these sizes) and make it this process's choice: models loaded from now
+    on follow it. ``log`` gets one line."""
     global _choice
-    name = parse_gemm(setting)
-    if name == "auto":
-        hidden, intermediate, params = model_sizes(model_dir)
-        g = decide(name, hidden, intermediate, params, device, world_size, fp32)
-    else:
-        g = decide(name, 0, 0, 0, device, world_size, fp32)
+    g = decide(setting, hidden, intermediate, params, device, world_size, fp32)
     _choice = g.name
     if log is not None:
         log(str(g))
@@ -152,19 +147,6 @@ def use(name: str) -> None:
 
 def current() -> str:
     return _choice
-
-
-def model_sizes(model_dir) -> tuple[int, int, int]:
-    """(hidden size, MLP width, parameters) of the model in ``model_dir``, without loading weights."""
-    from pathlib import Path
-
-    from unison.models import model_shell
-
-    shell = model_shell(Path(model_dir))
-    cfg = shell.config
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
-    inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-    return int(hidden), int(inter), sum(p.numel() for p in shell.parameters())
 
 
 # ----------------------------------------------------------------------------- the oneDNN path

@@ -78,19 +78,6 @@ def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_supp
     return Plan(present, unmeasured)
 
 
-@contextlib.contextmanager
-def _settings(learner, quantizer, quantize: bool, replay_support: bool, routing_replay: bool):
-    """The learner scores with the given quantizer state, support replay and routing replay for the duration."""
-    saved = (learner.replay_sampling_mask, learner.routing_replay)
-    learner.replay_sampling_mask, learner.routing_replay = replay_support, routing_replay
-    q = quantizer.set(quantize) if quantizer is not None else contextlib.nullcontext()
-    try:
-        with q:
-            yield
-    finally:
-        learner.replay_sampling_mask, learner.routing_replay = saved
-
-
 class Ledger:
     """Measures the chain on a batch. ``rescore(batch, version)``: the engine's prefill log μ of a batch whose
     rows were all sampled at ``version`` (None when the engine cannot); ``weights(version)``: the learner's
@@ -147,13 +134,10 @@ class Ledger:
         if "decode" in measured:
             chain.append(("decode", self._by_version(batch, versions, self.rescore)))
         terms = ["engine", *knobs]
-        routing = getattr(self.learner, "last_routing", None)  # the trainer's π_old pass's, not the ledger's
         for term in terms[:-1]:
             if term != "engine":
                 state[term] = final[term]
             chain.append((term, self._learner_scores(batch, versions, step, state)))
-        if routing is not None:
-            self.learner.last_routing = routing
         chain.append((terms[-1], None))  # every knob as the trainer has it: the trainer's own π_old
         return chain
 
@@ -191,16 +175,17 @@ class Ledger:
     def _learner_scores(self, batch, versions, step, state):
         """The learner's log-probs in ``state`` (quantizer on/off, support replay, routing replay; at the
         sample's own version unless ``state["staleness"]``)."""
-        ctx = _settings(self.learner, self.quantizer, state["quantization"], state["truncation"], state["routing"])
-        with ctx:
+        quantizer = self.quantizer.set(state["quantization"]) if self.quantizer is not None else contextlib.nullcontext()
+        options = dict(replay_sampling_mask=state["truncation"], routing_replay=state["routing"])
+        with quantizer:
             if state["staleness"]:
-                return self.learner.score(batch)
+                return self.learner.score(batch, **options)
 
             def at(sub, u):
                 w = None if u == step else self.weights(u)
                 if u != step and w is None:
                     raise UnisonError(f"the ledger needs the weights of version {u}, which are not kept")
-                return self.learner.score(sub, weights=w)
+                return self.learner.score(sub, weights=w, **options)
 
             return self._by_version(batch, versions, at)
 

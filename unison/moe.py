@@ -83,6 +83,19 @@ def replay(model: torch.nn.Module, indices: torch.Tensor):
             h.remove()
 
 
+def routing_buffer(model: torch.nn.Module, shape) -> torch.Tensor:
+    """A [*shape, layers, k] buffer of expert choices, -1 (unknown) until a forward fills it."""
+    return torch.full((*shape, len(routers(model)), top_k(model)), -1, dtype=torch.int64)
+
+
+def gather_routing(routing: torch.Tensor | None, dist) -> torch.Tensor | None:
+    """Every rank's rows of a routing buffer (-1 elsewhere) on every rank (a collective when distributed)."""
+    if routing is None or not dist.enabled:
+        return routing
+    shifted = routing + 1  # rows nobody filled stay 0, so the sum over ranks is the union
+    return dist.all_reduce_(shifted, "sum") - 1
+
+
 def replay_indices(routing: torch.Tensor) -> torch.Tensor:
     """The rollout's expert choices [rows, L, layers, k] as the flattened [rows·L, layers, k] a router sees;
     positions the rollout never fed (padding, the last token) get experts 0..k-1, whose outputs nothing reads."""

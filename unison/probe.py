@@ -107,6 +107,27 @@ class ProbeInputs:
     items: list = field(default_factory=list)
 
 
+def probe_task(spec: str, items: int = 8):
+    """``--task``: ``(task, its first items, task.max_episode_tokens)`` for a built-in multi-turn task's name or a
+    YAML config whose task is multi-turn."""
+    from unison.config import TaskConfig, load_config
+    from unison.tasks import TASKS, make_task, task_class
+
+    builtin = [n for n in TASKS if n != "env" and task_class(n).multi_turn]
+    if spec.endswith((".yaml", ".yml")):
+        tcfg = load_config(spec).task
+    elif spec in builtin:
+        tcfg = TaskConfig(name=spec, train_size=max(items, 16), eval_size=0)
+    else:
+        raise UnisonError(f"--task '{spec}' is not a multi-turn task: name {', '.join(builtin)}, or give a YAML config "
+                          f"whose task section is multi-turn (task.name: env)")
+    if not task_class(tcfg.name).multi_turn:
+        raise UnisonError(f"--task {spec}: task.name is '{tcfg.name}', not a multi-turn task: the probe's --prompts "
+                          f"covers single-turn prompts")
+    task = make_task(tcfg)
+    return task, task.train[:items], tcfg.max_episode_tokens
+
+
 def validate(cfg: ProbeConfig) -> ProbeInputs:
     """Check every input before anything runs or is written: names, numbers, the prompts
     file, the model directory, and that every prompt plus ``max_new_tokens`` fits the
@@ -160,8 +181,6 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     if cfg.task:
         if cfg.exact or cfg.prompts:
             raise UnisonError("--task runs episodes: drop --exact and --prompts")
-        from unison.tasks.env import probe_task
-
         task, items, budget = probe_task(cfg.task)
         prompts = [it.prompt for it in items]
         lines = [i + 1 for i in range(len(items))]
@@ -279,15 +298,16 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             log(f"[probe] {label}: scoring {batch.num_response_tokens} tokens with the learner "
                 f"(parameters: {pd}{vtag})")
             scorer.cast_params = pd == "compute" and prec.learner_dtype != torch.float32
-            scorer.routing_replay = False
-            scorer.replay_sampling_mask = replay
             wrapper = quantizer(scorer, quant) if qa else None
             scorer.qat = wrapper
             if wrapper is not None:
                 wrapper.enabled = True
             try:
                 t0 = time.perf_counter()
-                logp_pi = scorer.score(batch)
+                moe_routing = scorer.moe and "routing" in batch.extras
+                scored = scorer.score(batch, replay_sampling_mask=replay, routing_replay=False,
+                                      with_routing=moe_routing)
+                logp_pi, routing = scored if moe_routing else (scored, None)
                 t_score = time.perf_counter() - t0
                 metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
                 if inputs.task is not None:  # episodes: their shape, and what re-tokenizing them would train on
@@ -296,18 +316,16 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
 
                     metrics.update(episode_metrics([c.episode for c in completions]))
                     metrics.update(retokenize_metrics(scorer, completions, inputs.task.template, pad_id))
-                if scorer.moe and "routing" in batch.extras:  # MoE: routing flips, and replaying them
-                    metrics["mismatch/router_disagreement"] = moe.disagreement(
-                        batch.extras["routing"], scorer.last_routing, mask)
-                    scorer.routing_replay = True
-                    replayed = mismatch_metrics(scorer.score(batch), batch.logp_mu, mask)
-                    scorer.routing_replay = False
+                if moe_routing:  # MoE: routing flips, and replaying them
+                    metrics["mismatch/router_disagreement"] = moe.disagreement(batch.extras["routing"], routing, mask)
+                    replayed = mismatch_metrics(scorer.score(batch, replay_sampling_mask=replay, routing_replay=True),
+                                                batch.logp_mu, mask)
                     for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
                         metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
             finally:
                 if wrapper is not None:
                     wrapper.enabled = False
-                scorer.qat, scorer.replay_sampling_mask = None, True
+                scorer.qat = None
             seq_lr = seq_log_ratio(logp_pi, batch.logp_mu, mask)
             lengths = batch.response_lens
             results.append({

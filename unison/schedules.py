@@ -1,4 +1,4 @@
-"""Learning-rate schedules, response-length surge detection (Paper B), gradient-noise telemetry.
+"""Learning-rate schedules and response-length surge detection (Paper B); the gradient noise lives in unison/optim.py.
 
 A schedule is a small stateful object. ``lr(step)`` gives the LR of training
 step ``step`` — numbered from 1, as ``"step"`` in metrics.jsonl — and
@@ -243,50 +243,3 @@ def make_schedule(train_cfg, asynchronous: bool = False) -> LRSchedule:
                                   s.count_from, s.trigger, det, s.trigger_step)
     return LRSchedule(train_cfg.schedule, train_cfg.lr, train_cfg.steps, train_cfg.warmup_steps,
                       train_cfg.min_lr_ratio)
-
-
-# ------------------------------------------------------------------ gradient noise
-def noise_scale_terms(small_sq: float, small_batch: float, big_sq: float, big_batch: float) -> dict:
-    """McCandlish et al. (2018) unbiased estimates from gradient norms at two batch sizes:
-
-        |G|²  ≈ (B_b·|g_b|² − B_s·|g_s|²) / (B_b − B_s)
-        tr(Σ) ≈ (|g_s|² − |g_b|²) / (1/B_s − 1/B_b)
-        B_noise = tr(Σ) / |G|²
-
-    ``small_sq`` is the mean squared norm of micro-batch gradients (each normalised as a
-    mean over its own ``small_batch`` samples), ``big_sq`` that of their average over
-    ``big_batch`` samples. Either estimate can come out negative on a noisy step.
-    """
-    if big_batch <= small_batch:
-        return {}
-    g2 = (big_batch * big_sq - small_batch * small_sq) / (big_batch - small_batch)
-    tr = (small_sq - big_sq) / (1.0 / small_batch - 1.0 / big_batch)
-    return {"grad_noise/grad_sq": g2, "grad_noise/trace_sigma": tr, "grad_noise/small_sq": small_sq,
-            "grad_noise/big_sq": big_sq, "grad_noise/noise_scale": tr / g2 if g2 != 0 else float("nan")}
-
-
-class GradNoiseTracker:
-    """Accumulates the McCandlish terms over a run; its EMAs of tr(Σ) and |G|² give a
-    steadier noise scale (``grad_noise/noise_scale_ema`` = EMA(tr Σ) / EMA(|G|²))."""
-
-    def __init__(self, alpha: float = 0.1):
-        self.alpha = alpha
-        self.ema_tr: float | None = None
-        self.ema_g2: float | None = None
-
-    def update(self, terms: dict) -> dict:
-        if not terms or not all(math.isfinite(terms[k]) for k in ("grad_noise/grad_sq", "grad_noise/trace_sigma")):
-            return {}
-        tr, g2 = terms["grad_noise/trace_sigma"], terms["grad_noise/grad_sq"]
-        a = self.alpha
-        self.ema_tr = tr if self.ema_tr is None else (1 - a) * self.ema_tr + a * tr
-        self.ema_g2 = g2 if self.ema_g2 is None else (1 - a) * self.ema_g2 + a * g2
-        out = dict(terms)
-        out["grad_noise/noise_scale_ema"] = self.ema_tr / self.ema_g2 if self.ema_g2 else float("nan")
-        return out
-
-    def state_dict(self):
-        return {"ema_tr": self.ema_tr, "ema_g2": self.ema_g2}
-
-    def load_state_dict(self, s):
-        self.ema_tr, self.ema_g2 = s["ema_tr"], s["ema_g2"]

@@ -9,7 +9,6 @@ the rollout temperature, and greedy) and saves an HF directory.
 from __future__ import annotations
 
 import json
-import math
 import random
 import sys
 import time
@@ -17,19 +16,20 @@ from pathlib import Path
 
 import torch
 
+from unison import runtime
 from unison.filter import pass_rates
-from unison import gemm
-from unison.learner import adamw, token_logprobs
+from unison.optim import adamw
+from unison.policy import token_logprobs
 from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir, unknown_characters
 from unison.rollout import make_engine
+from unison.schedules import LRSchedule
 from unison.tasks import make_reward, make_task
-from unison.threads import small_model
 
 
 def _examples(task, tokenizer):
     """``(ids, target mask)`` per training item: prompt -> answer + EOS (loss on the answer), or a
     multi-turn demonstration (loss on the model's turns only, built token in / token out)."""
-    if getattr(task, "multi_turn", False):
+    if task.multi_turn:
         out = [task.demonstration_ids(tokenizer, item) for item in task.train]
         if any(x is None for x in out):
             from unison.errors import UnisonError
@@ -68,16 +68,14 @@ def evaluate(engine, task, reward, items, tokenizer, temperature: float, max_new
 
 
 def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
-    from unison.threads import setup
-
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(cfg.model)
     task = make_task(cfg.task)
     reward = make_reward(task, cfg.task)
     tokenizer = load_tokenizer(model_dir)
-    setup(cfg.threads, model_dir=model_dir, log=lambda m: log(f"[sft] {m}"))  # after the checks: errors stay one line
-    gemm.setup(cfg.gemm, model_dir=model_dir, device=cfg.device, log=lambda m: log(f"[sft] {m}"))  # before the load
-    if getattr(task, "multi_turn", False):
+    runtime.setup(cfg.threads, cfg.gemm, model_dir, device=cfg.device,  # after the checks, before the load
+                  log=lambda m: log(f"[sft] {m}"))
+    if task.multi_turn:
         task.prepare(tokenizer, cfg.model)
     model = load_model(model_dir, torch.float32, cfg.device)
     model.train()
@@ -87,12 +85,12 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
     if unknown:
         log(f"[sft] WARNING {unknown}")
     rng = random.Random(cfg.seed)
-    opt = adamw(list(model.parameters()), not small_model(model), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = adamw(list(model.parameters()), not runtime.small_model(model), lr=cfg.sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
     s = cfg.sft
+    schedule = LRSchedule("cosine", s.lr, s.steps, min_lr_ratio=s.min_lr_ratio)
     t0 = time.perf_counter()
     for step in range(s.steps):
-        frac = step / max(s.steps - 1, 1)
-        lr = s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = schedule.lr(step + 1)
         for g in opt.param_groups:
             g["lr"] = lr
         tokens, attn, target = _batch(rng.sample(examples, min(s.batch_size, len(examples))),

@@ -39,16 +39,9 @@ from pathlib import Path
 from unison.errors import UnisonError
 
 #: below this many parameters a model's ops are too small for a second thread to pay (the built-in
-#: tiny model, 0.8M: 1 thread; SmolLM2-135M's matmuls scale with threads); benchmarks/threads.py
+#: tiny model, 0.8M: 1 thread; SmolLM2-135M's matmuls scale with threads); benchmarks/threads.py.
+#: The same class keeps torch's plain paths elsewhere (unison/runtime.py: :func:`small_model`)
 SMALL_MODEL = 10_000_000
-
-
-def small_model(model) -> bool:
-    """Under :data:`SMALL_MODEL` parameters (the built-in tiny model's class). Such a model keeps torch's
-    plain paths — BLAS matmuls, the unfused output layer, for-each AdamW: at its size the fused ones gain
-    nothing, and its documented runs (the demo, docs/experiments) keep their bits, which decide a one-seed
-    run's path."""
-    return sum(p.numel() for p in model.parameters()) < SMALL_MODEL
 
 
 #: seconds of /proc/stat sampled to see how many cores are idle
@@ -213,15 +206,9 @@ def _physical_cores(cpus: list[int]) -> int:
     return max(1, len(cores))
 
 
-def count_parameters(model_dir) -> int:
-    """The model's parameter count, read from its architecture (no weights loaded)."""
-    from unison.models import model_shell
-
-    return sum(p.numel() for p in model_shell(Path(model_dir)).parameters())
-
-
-def decide(setting, params: int | None = None, model_dir=None) -> Threads:
-    """The thread count for ``setting`` (``auto`` or N) and its reason; nothing is changed."""
+def decide(setting, params: int | None = None) -> Threads:
+    """The thread count for ``setting`` (``auto`` or N) and its reason, for a model of ``params`` parameters
+    (None: unknown); nothing is changed."""
     setting = parse_threads(setting)
     cores, cpus = usable_cores()
     ranks = _local_ranks()
@@ -238,14 +225,12 @@ def decide(setting, params: int | None = None, model_dir=None) -> Threads:
         return Threads(user, f"torch.set_num_threads({user})")
     if share == 1:
         return Threads(1, f"auto: {where}")
-    if params is None and model_dir is not None:
-        params = count_parameters(model_dir)
     if params is not None and params < SMALL_MODEL:
-        return Threads(1, f"auto: a {_size(params)}-parameter model's ops are too small to gain from more threads")
+        return Threads(1, f"auto: a {size_text(params)}-parameter model's ops are too small to gain from more threads")
     if ranks > 1:  # the other ranks are starting too: their load is this job's own
         return Threads(share, f"auto: {where}")
     idle = idle_cores(cpus)
-    size = f", a {_size(params)}-parameter model" if params is not None else ""
+    size = f", a {size_text(params)}-parameter model" if params is not None else ""
     if idle is None:
         return Threads(share, f"auto: {where}{size}")
     free = max(1, min(share, math.floor(idle + 0.5)))
@@ -254,10 +239,10 @@ def decide(setting, params: int | None = None, model_dir=None) -> Threads:
     return Threads(free, f"auto: {where} idle{size}")
 
 
-def setup(setting, params: int | None = None, model_dir=None, log=None) -> Threads:
+def setup(setting, params: int | None = None, log=None) -> Threads:
     """Decide (:func:`decide`) and give torch this process's thread count; ``log`` gets one line."""
     global _budget
-    t = decide(setting, params=params, model_dir=model_dir)
+    t = decide(setting, params=params)
     give(t.n)
     _budget = t.n
     if log is not None:
@@ -281,5 +266,6 @@ def budget() -> int:
     return _budget or torch.get_num_threads()
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """A parameter count as people write it: 0.8M, 134.5M, 1.7B."""
     return f"{n / 1e6:.1f}M" if n < 1e9 else f"{n / 1e9:.1f}B"

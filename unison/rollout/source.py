@@ -131,13 +131,13 @@ class RolloutSource:
             comps, gen_s, idle_s = self._generate(job)
             t_wait += time.perf_counter() - t0
             t_gen, t_idle = t_gen + gen_s, t_idle + idle_s
-            lo, hi = self._share(P)
+            lo, hi = self.share(P)
             items = [self.task.train[i] for i in job.prompts[lo:hi]]
             calls, errors = self.reward.calls, self.reward.errors
             rw = self.reward.score_completions(comps, items, self.tokenizer)
             for c in comps:  # group id = place in the global batch, unique across oversampling rounds
                 c.prompt_index = c.prompt_index + lo + out.rounds * P
-            parts = self._gather((comps, rw, self.reward.calls - calls, self.reward.errors - errors,
+            parts = self.gather((comps, rw, self.reward.calls - calls, self.reward.errors - errors,
                                   self.reward.last_error))
             comps = [c for p in parts for c in p[0]]
             out.episodes += [c.episode for c in comps if c.episode is not None]
@@ -211,14 +211,14 @@ class RolloutSource:
 
     def _params(self, job: Job) -> SamplingParams:
         r, P = self.cfg.rollout, self.cfg.train.prompts_per_step
-        lo, hi = self._share(P)
+        lo, hi = self.share(P)
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_tokens=r.max_new_tokens, seed=job.seed,
                               prompt_seeds=tuple(mix64(job.seed, j) for j in range(lo, hi)))
 
     def _my_prompts(self, job: Job) -> list[list[int]]:
-        lo, hi = self._share(self.cfg.train.prompts_per_step)
-        if getattr(self.task, "multi_turn", False):  # episodes: run where the engine runs, turn by turn
+        lo, hi = self.share(self.cfg.train.prompts_per_step)
+        if self.task.multi_turn:  # episodes: run where the engine runs, turn by turn
             return self.task.episodes([self.task.train[i] for i in job.prompts[lo:hi]])
         return [self.prompt_ids[i] for i in job.prompts[lo:hi]]
 
@@ -235,12 +235,12 @@ class RolloutSource:
     def _drop_stale(self, step, comps, rewards):
         return comps, rewards, 0
 
-    def _share(self, k: int) -> tuple[int, int]:
+    def share(self, k: int) -> tuple[int, int]:
         """This engine replica's contiguous slice of ``k`` prompts."""
         n, r = self.dp_size, self.dp_rank
         return r * k // n, (r + 1) * k // n
 
-    def _gather(self, payload) -> list:
+    def gather(self, payload) -> list:
         """Every replica's ``payload``, in replica order, on every rank (the ranks of one
         tensor-parallel vLLM replica hold the same one: it is taken once)."""
         seen, out = set(), []

@@ -8,6 +8,7 @@ Rewards go through :class:`RewardFn`, which scores truncated responses with
 from __future__ import annotations
 
 import importlib
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,10 +44,27 @@ class Item:
         return key in self.fields or key in ("prompt", "answer")
 
 
+def eval_holdout(n_rows: int, eval_size: int) -> int:
+    """Rows held out for eval when ``task.eval_path`` is not given: ``eval_size``, but never
+    more than a tenth of the file (rounded down), so a small file stays training data."""
+    return max(0, min(eval_size, n_rows // 10))
+
+
+def split_holdout(items: list, eval_size: int, seed: int) -> tuple[list, list]:
+    """``(train, eval)`` of a file's rows: :func:`eval_holdout` of them, by a shuffle seeded with ``seed``, are held
+    out for eval; the rest train, in the shuffled order."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    k = eval_holdout(len(items), eval_size)
+    return [items[i] for i in order[k:]], [items[i] for i in order[:k]]
+
+
 class Task:
     """A task has a train split, an eval split and a verifier ``score(response, item)``."""
 
     name = "task"
+    #: its items are multi-turn episodes (unison/tasks/env.py): run turn by turn, not as prompts
+    multi_turn = False
     train: list[Item]
     eval: list[Item]
 
@@ -172,6 +190,21 @@ def _import_file(path: str):
     finally:
         sys.path.remove(str(p.parent))
     return mod
+
+
+#: task name -> the class that builds it (``module:Class``, imported when asked for)
+TASKS = {"arithmetic": "unison.tasks.arithmetic:ArithmeticTask", "scratchpad": "unison.tasks.scratchpad:ScratchpadTask",
+         "math": "unison.tasks.math:MathTask", "jsonl": "unison.tasks.jsonl:JsonlTask",
+         "reasoning_gym": "unison.tasks.gym:ReasoningGymTask", "env": "unison.tasks.env:EnvTask",
+         "calculator": "unison.tasks.calculator:CalculatorTask", "guess_number": "unison.tasks.guess:GuessNumberTask"}
+
+
+def task_class(name: str) -> type[Task]:
+    """The class of task ``name`` (what a config can ask about it before the task is built: ``multi_turn``)."""
+    if name not in TASKS:
+        raise UnisonError(f"unknown task '{name}': choose {', '.join(list(TASKS)[:-1])} or {list(TASKS)[-1]}")
+    module, cls = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def make_task(cfg, evaluate: bool = True) -> Task:

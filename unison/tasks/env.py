@@ -38,11 +38,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import random
 from dataclasses import dataclass, field
 
 from unison.errors import UnisonError
-from unison.tasks import Item, Task, load_callable
+from unison.tasks import Item, Task, load_callable, split_holdout
 
 
 class Env:
@@ -344,12 +343,11 @@ def with_model_tokens(completions, rewards):
     return [completions[i] for i in keep], [rewards[i] for i in keep]
 
 
-#: the task names whose items are multi-turn episodes
-MULTI_TURN_TASKS = ("env", "calculator", "guess_number")
-
-
 def is_multi_turn(cfg) -> bool:
-    return cfg.task.name in MULTI_TURN_TASKS
+    """The config's task is multi-turn (its class says so: :attr:`unison.tasks.Task.multi_turn`)."""
+    from unison.tasks import task_class
+
+    return task_class(cfg.task.name).multi_turn
 
 
 def model_token_budget(cfg) -> int:
@@ -401,12 +399,7 @@ class EnvTask(Task):
             if cfg.eval_path:
                 self.train, self.eval = items, _rows(cfg.eval_path)
             else:
-                from unison.tasks.math import eval_holdout
-
-                order = list(range(len(items)))
-                random.Random(cfg.seed).shuffle(order)
-                k = eval_holdout(len(items), cfg.eval_size)
-                self.eval, self.train = [items[i] for i in order[:k]], [items[i] for i in order[k:]]
+                self.train, self.eval = split_holdout(items, cfg.eval_size, cfg.seed)
         self.template = None
         self.spec: EpisodeSpec | None = None
         #: what resolving the chat template said (printed at start), e.g. that a built-in one is used
@@ -496,26 +489,6 @@ def _rows(path: str) -> list[Item]:
     rows = read_jsonl(path, line_numbers=lines)
     return [Item(prompt=str(r.get("prompt", "")), answer="" if r.get("answer") is None else str(r["answer"]),
                  meta={"source": f"{path}:{n}"}, fields=dict(r)) for r, n in zip(rows, lines)]
-
-
-def probe_task(spec: str, items: int = 8):
-    """``unison probe --task``: ``(task, its first items, task.max_episode_tokens)`` for a multi-turn task name
-    or a YAML config whose task is multi-turn."""
-    from unison.config import TaskConfig, load_config
-    from unison.tasks import make_task
-
-    if spec.endswith((".yaml", ".yml")):
-        tcfg = load_config(spec).task
-    elif spec in MULTI_TURN_TASKS[1:]:
-        tcfg = TaskConfig(name=spec, train_size=max(items, 16), eval_size=0)
-    else:
-        raise UnisonError(f"--task '{spec}' is not a multi-turn task: name {', '.join(MULTI_TURN_TASKS[1:])}, or give "
-                          f"a YAML config whose task section is multi-turn (task.name: env)")
-    if tcfg.name not in MULTI_TURN_TASKS:
-        raise UnisonError(f"--task {spec}: task.name is '{tcfg.name}', not a multi-turn task: the probe's --prompts "
-                          f"covers single-turn prompts")
-    task = make_task(tcfg)
-    return task, task.train[:items], tcfg.max_episode_tokens
 
 
 def describe(task: EnvTask, cfg) -> str:

@@ -10,11 +10,9 @@ each response, called as ``f(response: str, item: Item) -> float``.
 
 from __future__ import annotations
 
-import random
-
 from unison.data_io import read_jsonl
 from unison.errors import UnisonError
-from unison.tasks import Item, Task
+from unison.tasks import Item, Task, split_holdout
 
 
 def _items(path: str, template: str | None) -> list[Item]:
@@ -40,18 +38,12 @@ class JsonlTask(Task):
 
     def __init__(self, path: str, eval_path: str | None = None, eval_size: int = 0, template: str | None = None,
                  seed: int = 0):
-        from unison.tasks.math import MATH_TEMPLATE, eval_holdout
-
-        template = None if template in (None, "", MATH_TEMPLATE) else template  # the math default is math's own
-        items = _items(path, template)
+        self.template = template or None  # None: the prompts as written
+        items = _items(path, self.template)
         if eval_path:
-            self.train, self.eval = items, _items(eval_path, template)
+            self.train, self.eval = items, _items(eval_path, self.template)
         else:
-            order = list(range(len(items)))
-            random.Random(seed).shuffle(order)
-            k = eval_holdout(len(items), eval_size)
-            self.eval = [items[i] for i in order[:k]]
-            self.train = [items[i] for i in order[k:]]
+            self.train, self.eval = split_holdout(items, eval_size, seed)
 
     def score(self, response: str, item: Item) -> float:  # pragma: no cover - task.reward is required
         raise UnisonError("task 'jsonl' has no built-in verifier: set task.reward=module:function")

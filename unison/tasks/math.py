@@ -24,12 +24,11 @@ to be wrong (issue 13):
 
 from __future__ import annotations
 
-import random
 import re
 
 from unison.data_io import read_jsonl
 from unison.errors import UnisonError
-from unison.tasks import Item, Task
+from unison.tasks import Item, Task, split_holdout
 
 #: the math task's default prompt template (``task.template``): Paper A's instruction after the problem
 MATH_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -193,28 +192,23 @@ def answers_equal(gold: list, pred: list) -> bool:
     return any(verify(g, p) and numbers_agree(g, p) for g in gold for p in pred)
 
 
-def eval_holdout(n_rows: int, eval_size: int) -> int:
-    """Rows held out for eval when ``task.eval_path`` is not given: ``eval_size``, but never
-    more than a tenth of the file (rounded down), so a small file stays training data."""
-    return max(0, min(eval_size, n_rows // 10))
-
-
 class MathTask(Task):
     """Prompt = ``template.format(problem=...)`` (inside the chat template when the
     tokenizer has one). A response scores 1 when math-verify finds its final
     answer equal to the reference (with the guards above), else 0.
 
-    Without ``eval_path``, ``eval_holdout(len(rows), eval_size)`` rows of ``path``
-    (a seeded shuffle) are held out for eval and the rest train."""
+    Without ``eval_path``, :func:`unison.tasks.split_holdout` holds rows of ``path`` out for eval."""
 
     name = "math"
 
     def __init__(self, path: str, eval_path: str | None = None, eval_size: int = 0,
-                 template: str = "{problem}", seed: int = 0):
+                 template: str | None = None, seed: int = 0):
         try:
             import math_verify  # noqa: F401
         except ImportError as e:
             raise UnisonError("the math task needs math-verify: pip install 'math-verify==0.9.0'") from e
+        #: the prompt template (``task.template``; None: :data:`MATH_TEMPLATE`)
+        self.template = template = MATH_TEMPLATE if template is None else template
         lines: list[int] = []
         rows = read_jsonl(path, {"problem": str, "answer": (str, int, float)}, line_numbers=lines)
         items = [Item(prompt=template.format(problem=r["problem"]), answer=str(r["answer"]),
@@ -225,11 +219,7 @@ class MathTask(Task):
             self.eval = [Item(prompt=template.format(problem=r["problem"]), answer=str(r["answer"]))
                          for r in ev]
         else:
-            order = list(range(len(items)))
-            random.Random(seed).shuffle(order)
-            k = eval_holdout(len(items), eval_size)
-            self.eval = [items[i] for i in order[:k]]
-            self.train = [items[i] for i in order[k:]]
+            self.train, self.eval = split_holdout(items, eval_size, seed)
         self._gold = {}
 
     def score(self, response: str, item: Item) -> float:
