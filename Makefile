@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed bench clean
+.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed bench docs clean
 
 install: $(STAMP)
 
@@ -55,5 +55,10 @@ bench: install
 	$(PY) benchmarks/preset_step_time.py
 	$(PY) benchmarks/grad_noise_overhead.py
 
+# the docs as a site in site/ (MkDocs, the `docs` extra; --strict: a warning fails the build)
+docs: install
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[docs]"
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .unison-test-home
+	rm -rf $(VENV) runs .pytest_cache .unison-test-home site

@@ -37,7 +37,7 @@ SETUPS = {
 }
 COMMON = ["precision=fp32", "train.mini_batches=1", "train.lr=1e-6", "log.console=false", "log.tensorboard=false",
           "task.reward=length_reward:reward", "task.truncated_reward=null", "checkpoint.every_minutes=0",
-          "mismatch.decompose_every=0", "train.micro_batch_tokens=4096"]  # as measured in the README
+          "mismatch.decompose_every=0", "train.micro_batch_tokens=4096"]  # as measured in docs/async.md
 
 ONE = """
 import json, sys, time

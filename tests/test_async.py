@@ -223,7 +223,7 @@ def _server_cfg(url, *extra):
 
 def _stub(model_dir, **kw):
     from unison.models import load_tokenizer
-    from unison.rollout.vllm_engine import PROBE_TEXT
+    from unison.rollout.vllm_server import PROBE_TEXT
     from vllm_stub import StubServer
 
     tok = load_tokenizer(model_dir)

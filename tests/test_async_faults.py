@@ -24,6 +24,7 @@ from unison.errors import UnisonError
 from unison.rollout import SamplingParams
 from unison.rollout.worker import EngineWorker
 from unison.trainer import Trainer
+from unison.rollout.sync import weight_update
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -253,7 +254,7 @@ def test_5_moe_routing_of_hundreds_of_rows_comes_back_under_a_low_file_limit(tmp
 
 
 def test_6_shared_memory_is_checked_for_the_whole_node_and_a_missing_dev_shm_is_refused(monkeypatch):
-    from unison.rollout.source import check_shared_memory
+    from unison.rollout.backends import check_shared_memory
 
     shapes = [("w", (1024, 1024))]  # 4 MiB of fp32: 8 MiB for 2 slots
     monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((4096, 4096, 0, 0, 12 * 2**20 // 4096, 0, 0,
@@ -386,7 +387,7 @@ def test_17_checkpoints_load_as_data_only_and_old_rng_files_still_resume_exactly
 # ------------------------------------------------------------------ a vLLM server (the HTTP stub)
 def _stub(model_dir, **kw):
     from unison.models import load_tokenizer
-    from unison.rollout.vllm_engine import PROBE_TEXT
+    from unison.rollout.vllm_server import PROBE_TEXT
     from vllm_stub import StubServer
 
     tok = load_tokenizer(model_dir)
@@ -394,7 +395,7 @@ def _stub(model_dir, **kw):
 
 
 def _server(url, tmp_path):
-    from unison.rollout.vllm_engine import VLLMServerEngine
+    from unison.rollout.vllm_server import VLLMServerEngine
 
     return VLLMServerEngine(_tiny(), url=url, sync_dir=str(tmp_path / "sync"), retries=0)
 
@@ -423,11 +424,11 @@ def test_1_a_fresh_server_run_syncs_version_0_before_its_first_batch(tmp_path, r
 
 
 def test_2_a_reload_that_fails_in_flight_returns_none_of_the_requests_it_spanned(tmp_path, learner):
-    from unison.rollout.source import ServerBackend
+    from unison.rollout.backends import ServerBackend
 
     with _stub(_tiny(), completion_delay=1.0, fail_reloads={2}) as stub:
         eng = _server(stub.url, tmp_path)
-        eng.apply_sync(eng.prepare_sync(learner), version=0)
+        eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), version=0)
         box: dict = {}
 
         def generate():
@@ -440,7 +441,7 @@ def test_2_a_reload_that_fails_in_flight_returns_none_of_the_requests_it_spanned
         gen.start()
         time.sleep(0.3)  # the request is being generated
         with pytest.raises(UnisonError, match="failed the weight reload"):
-            eng.apply_sync(eng.prepare_sync(learner), in_flight=True, version=1)
+            eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), in_flight=True, version=1)
         gen.join(30)
         assert isinstance(box.get("error"), UnisonError), box  # not samples of half-loaded layers
         assert "failed the weight reload" in str(box["error"])
@@ -451,7 +452,7 @@ def test_2_a_reload_that_fails_in_flight_returns_none_of_the_requests_it_spanned
     # the backend reports that failure, not what followed from it (the aborted requests)
     with _stub(_tiny(), completion_delay=1.0, fail_reloads={2}) as stub:
         eng = _server(stub.url, tmp_path)
-        eng.apply_sync(eng.prepare_sync(learner), version=0)
+        eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), version=0)
         cfg = load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"])
         b = ServerBackend(eng, cfg)
         b.submit(1, [[1, 5, 6]], SamplingParams(n=2, max_tokens=4), None)
@@ -463,7 +464,7 @@ def test_2_a_reload_that_fails_in_flight_returns_none_of_the_requests_it_spanned
 
 
 def test_8_closing_during_a_slow_reload_leaves_the_server_resumed(tmp_path, learner):
-    from unison.rollout.source import ServerBackend
+    from unison.rollout.backends import ServerBackend
 
     with _stub(_tiny(), reload_delay=6.0) as stub:
         eng = _server(stub.url, tmp_path)
@@ -476,7 +477,7 @@ def test_8_closing_during_a_slow_reload_leaves_the_server_resumed(tmp_path, lear
 
 
 def test_10_server_drop_keeps_only_the_newest_pending_sync(tmp_path, learner):
-    from unison.rollout.source import ServerBackend
+    from unison.rollout.backends import ServerBackend
 
     with _stub(_tiny(), reload_delay=0.3) as stub:
         eng = _server(stub.url, tmp_path)
@@ -502,7 +503,7 @@ def test_12_disk_sync_clears_what_interrupted_syncs_left(tmp_path, learner):
         (sync / d / "model.safetensors").write_bytes(b"x" * 1000)
     with _stub(_tiny()) as stub:
         eng = _server(stub.url, tmp_path)
-        eng.apply_sync(eng.prepare_sync(learner), version=0)
+        eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), version=0)
         eng.close()
     assert sorted(p.name for p in sync.iterdir()) == ["v000000"]
 
@@ -511,8 +512,8 @@ def test_15_requests_sent_while_a_pause_is_in_flight_take_the_new_version(tmp_pa
     # the server holds a request that arrives while it is paused: it runs wholly under the new weights
     with _stub(_tiny(), pause_delay=1.0, reload_delay=0.5) as stub:
         eng = _server(stub.url, tmp_path)
-        eng.apply_sync(eng.prepare_sync(learner), version=0)
-        prepared = eng.prepare_sync(learner)
+        eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), version=0)
+        prepared = eng.prepare_sync(weight_update(eng, learner))
         sync = threading.Thread(target=lambda: eng.apply_sync(prepared, in_flight=True, version=1))
         sync.start()
         time.sleep(0.3)  # the pause is in flight (it takes effect at once, and answers after 1 s)
@@ -529,7 +530,7 @@ def test_15_server_labels_are_never_newer_than_the_weights_that_sampled(tmp_path
     # in-flight syncs against a stream of requests: count the labels that are one version too old
     with _stub(_tiny(), completion_delay=0.2, reload_delay=0.2) as stub:
         eng = _server(stub.url, tmp_path)
-        eng.apply_sync(eng.prepare_sync(learner), version=0)
+        eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), version=0)
         done, comps = threading.Event(), []
 
         def requests():
@@ -541,7 +542,7 @@ def test_15_server_labels_are_never_newer_than_the_weights_that_sampled(tmp_path
         t = threading.Thread(target=requests)
         t.start()
         for v in range(1, 6):
-            eng.apply_sync(eng.prepare_sync(learner), in_flight=True, version=v)
+            eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), in_flight=True, version=v)
             time.sleep(0.15)
         done.set()
         t.join()
@@ -569,10 +570,16 @@ def test_16_the_docs_claim_determinism_and_exact_resume_only_where_they_hold():
         text = " ".join((ROOT / path).read_text(encoding="utf-8").split())
         return re.split(r"(?<=[.;])\s", text)
 
-    for path in ("README.md", "docs/async.md"):
+    def claims(path):
         timing = [x for x in sentences(path) if "whatever the machine's timing" in x]
-        assert timing and all("native" in x for x in timing), timing  # a vLLM server needs batch invariance
-        assert any("VLLM_BATCH_INVARIANT" in x for x in sentences(path))
         resumed = [x for x in sentences(path) if re.search(r"resumed run reproduces the uninterrupted run", x)]
+        return timing, resumed
+
+    # the README's summary of async mode is docs/async.md's "In brief"; its `unison train --resume`, docs/cli.md
+    for path in ("README.md", "docs/async.md", "docs/cli.md"):
+        timing, resumed = claims(path)
+        assert all("native" in x for x in timing), timing  # a vLLM server needs batch invariance
         assert all("max_staleness: 0" in x or "K = 0" in x for x in resumed), resumed
+    assert claims("docs/async.md")[0] and any("VLLM_BATCH_INVARIANT" in x for x in sentences("docs/async.md"))
+    assert claims("docs/cli.md")[1]
     assert any("only with K = 0" in x for x in sentences("docs/async.md"))

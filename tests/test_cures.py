@@ -13,6 +13,7 @@ from unison.algorithms.presets import correction_kwargs, loss_kwargs, resolve_po
 from unison.config import PolicyConfig, config_from_dict
 from unison.errors import UnisonError
 from unison.schedules import MismatchBudgetSchedule, make_schedule
+from unison.rollout.sync import push
 
 
 # ------------------------------------------------------------------ IcePop
@@ -336,7 +337,7 @@ def test_quantization_aware_off_is_bit_identical_and_the_engine_agrees(tiny_dir)
 
     plain, qat = _perturbed(Learner(tiny_dir)), _perturbed(Learner(tiny_dir, quantization_aware=("int4", 64)))
     engine = make_engine("native", tiny_dir, torch.float32, quantization="int4")
-    engine.sync_weights(plain)
+    push(engine, plain)
     b = _one_batch(engine)
     with qat.qat.set(False):  # switched off: the hooks do nothing
         assert torch.equal(qat.score(b), plain.score(b))
@@ -365,7 +366,7 @@ def test_quantization_aware_quantizes_moe_experts_and_lora_merged_weights(tiny_d
                 p.normal_(0, 0.05)
     assert lora.qat.lora and not any("lora_" in m or "base_layer" in m for m, _, _ in lora.qat.params)
     eng = make_engine("native", tiny_dir, torch.float32, quantization="int4")
-    eng.sync_weights(lora)  # the merged weights W + (α/r)·B·A, quantized by the engine
+    push(eng, lora)  # the merged weights W + (α/r)·B·A, quantized by the engine
     b = _one_batch(eng)
     assert float(k3(lora.score(b), b.logp_mu, b.response_mask)) < 1e-9
 

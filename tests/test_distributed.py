@@ -288,12 +288,13 @@ def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(env, tmp_path):
     script.write_text(textwrap.dedent("""
         import json, os, torch
         import unison.learner as L
+        import unison.policy as P
         from unison.config import load_config
         from unison.distributed import current, init_distributed, full_tensor
         from unison.models import builtin_model_dir, load_model
         calls = []
-        real = L.load_model
-        L.load_model = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        real = P.load_model
+        P.load_model = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
         init_distributed("cpu")
         d = builtin_model_dir("tiny")
         learner = L.Learner.from_config(load_config(None, ["train.steps=1"]), d, current())

@@ -12,6 +12,7 @@ from unison.errors import UnisonError
 from unison.learner import Learner
 from unison.rollout import SamplingParams, make_engine
 from unison.trainer import Trainer
+from unison.rollout.sync import push
 
 WIDTH = 14
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,7 +38,7 @@ def test_engine_score_pass_and_training_forward_agree_bitwise(pairs, dtype, prom
         with torch.no_grad():
             for p in learner.model.parameters():
                 p.add_(1e-3 * torch.randn(p.shape, generator=g))
-        engine.sync_weights(learner)
+        push(engine, learner)
     tok = engine.tokenizer
     ids = [tok(p)["input_ids"] for p in prompts]
     comps = engine.generate(ids, SamplingParams(n=n, max_tokens=max_tokens, seed=seed))

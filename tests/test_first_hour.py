@@ -128,7 +128,7 @@ def _cfg(tmp_path):
 
 
 # 5 ------------------------------------------------------------------------------------------------
-def test_the_readme_custom_task_example_runs_as_written(tmp_path):
+def test_the_tasks_page_custom_task_example_runs_as_written(tmp_path):
     """From another directory, without PYTHONPATH: the reward module and the data are found next to the config."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-m", "unison", "train", str(ROOT / "examples/custom_task/config.yaml"),

@@ -11,8 +11,9 @@ import torch
 from unison.cli import main
 from unison.config import load_config
 from unison.errors import UnisonError
-from unison.rollout import vllm_engine
+from unison.rollout import vllm_engine, vllm_server
 from unison.rollout.vllm_engine import VLLMEngine, check_vllm
+from unison.rollout.sync import push, weight_update
 
 
 # 1 — the vLLM release is pinned and checked -------------------------------------------------------
@@ -77,6 +78,9 @@ class _Learner:
     def export_weights(self, dtype):
         return ((f"w{i}", torch.zeros(2, dtype=torch.float32)) for i in range(3))
 
+    def export_shapes(self):
+        return [(f"w{i}", (2,)) for i in range(3)]
+
 
 # 5, 9 — memory, context, device ------------------------------------------------------------------
 def test_colocated_vllm_sleeps_by_default_on_gpus_and_reserves_only_the_runs_context(fake_vllm, tiny_dir):
@@ -120,7 +124,7 @@ def test_sleep_level_2_wakes_weights_reloads_then_wakes_the_cache(fake_vllm, tin
     e.wake()  # after the update: level 2 leaves the waking to the sync
     with pytest.raises(UnisonError, match="slept at level 2 and holds no weights until the next sync"):
         e.generate([[1, 2]], SamplingParams(max_tokens=2))
-    e.sync_weights(_Learner())
+    push(e, _Learner())
     assert llm.calls == ["sleep2", "wake:weights", ("reload", "generator", 3), "reset", "wake:kv_cache"]
     assert not e.asleep
 
@@ -136,7 +140,7 @@ def test_sleep_level_1_wakes_everything_after_the_update(fake_vllm, tiny_dir):
 # 2 — the NCCL weight transfer is checked at start-up ------------------------------------------------
 def _stub(model_dir, **kw):
     from unison.models import load_tokenizer
-    from unison.rollout.vllm_engine import PROBE_TEXT
+    from unison.rollout.vllm_server import PROBE_TEXT
     from vllm_stub import StubServer
 
     tok = load_tokenizer(model_dir)
@@ -144,7 +148,7 @@ def _stub(model_dir, **kw):
 
 
 def _server(url, model_dir, **kw):
-    from unison.rollout.vllm_engine import VLLMServerEngine
+    from unison.rollout.vllm_server import VLLMServerEngine
 
     return VLLMServerEngine(model_dir, url=url, weight_sync="nccl", retries=0, **kw)
 
@@ -153,7 +157,7 @@ def test_nccl_sync_needs_vllm_installed_here(tiny_dir, monkeypatch):
     def missing():
         raise ImportError("No module named 'vllm'")
 
-    monkeypatch.setattr(vllm_engine, "_local_transfer_engine", missing)
+    monkeypatch.setattr(vllm_server, "_local_transfer_engine", missing)
     with _stub(tiny_dir) as stub:
         with pytest.raises(UnisonError, match="needs vLLM 0.32 installed here too"):
             _server(stub.url, tiny_dir)
@@ -164,7 +168,7 @@ def test_nccl_sync_needs_vllm_installed_here(tiny_dir, monkeypatch):
     ({}, "has no weight-transfer config"),
 ])
 def test_nccl_sync_needs_a_dev_mode_server_with_a_transfer_config(tiny_dir, monkeypatch, stub_kw, match):
-    monkeypatch.setattr(vllm_engine, "_local_transfer_engine", lambda: None)
+    monkeypatch.setattr(vllm_server, "_local_transfer_engine", lambda: None)
     with _stub(tiny_dir, **stub_kw) as stub:
         with pytest.raises(UnisonError, match=match):
             _server(stub.url, tiny_dir)
@@ -173,7 +177,7 @@ def test_nccl_sync_needs_a_dev_mode_server_with_a_transfer_config(tiny_dir, monk
 def test_nccl_sync_needs_an_address_the_server_can_reach(tiny_dir, monkeypatch):
     import socket
 
-    monkeypatch.setattr(vllm_engine, "_local_transfer_engine", lambda: None)
+    monkeypatch.setattr(vllm_server, "_local_transfer_engine", lambda: None)
     info = {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}
     with _stub(tiny_dir, server_info=info) as stub:
         remote = stub.url.replace("127.0.0.1", "localhost")
@@ -238,14 +242,13 @@ def test_the_server_sync_probe_scores_at_temperature_1(tiny_dir):
 
     learner = Learner(tiny_dir, temperature=0.6)
     with _stub(tiny_dir) as stub:
-        from unison.rollout.vllm_engine import VLLMServerEngine
+        from unison.rollout.vllm_server import VLLMServerEngine
 
         eng = VLLMServerEngine(tiny_dir, url=stub.url, weight_sync="disk", sync_dir=None, retries=0)
-        t1 = eng._learner_probe(learner)
-    learner.temperature = 1.0
-    assert t1 == eng._learner_probe(learner)  # the raw model's log-probs, as the server's prompt log-probs
-    learner.temperature = 0.6
-    assert learner.temperature == 0.6
+        t1 = weight_update(eng, learner).probe_logprobs
+        assert learner.temperature == 0.6  # the probe's temperature is the call's, not left on the learner
+        learner.temperature = 1.0
+        assert t1 == weight_update(eng, learner).probe_logprobs  # the raw model's, as the server's prompt log-probs
 
 
 # issue 30 ----------------------------------------------------------------------------------------------
@@ -330,12 +333,12 @@ def test_the_nccl_weight_transfer_of_a_lora_learner_announces_the_merged_base_na
         mod = types.ModuleType(name)
         mod.__dict__.update(parts.get(name, {}))
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(vllm_engine, "_local_transfer_engine", lambda: None)
+    monkeypatch.setattr(vllm_server, "_local_transfer_engine", lambda: None)
     learner = Learner(tiny_dir, lora_cfg=LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"]))
     info = {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}
     with _stub(tiny_dir, server_info=info) as stub:
         eng = _server(stub.url, tiny_dir, dtype=torch.bfloat16)
-        eng.sync_weights(learner)
+        push(eng, learner)
     names = [n for n, _, _ in record["sent"]]
     assert record["meta"] == record["sent"] and record["world_size"] == 2
     assert names == [n for n, _ in learner.export_shapes()]

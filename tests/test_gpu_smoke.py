@@ -1,7 +1,7 @@
 """scripts/gpu_smoke.sh and its checks (scripts/gpu_smoke.py), where a CPU can show them (issue 30): the time
 budget and the total time-out, the exit status, the results folder, the install of only the missing wheels,
 the check lines read past late warnings, checks that fail when they should, and the torch/transformers APIs
-the smoke runs on. The dry run itself (SMOKE_DEVICE=cpu SMOKE_SMALL=1) is too slow for the suite: README."""
+the smoke runs on. The dry run itself (SMOKE_DEVICE=cpu SMOKE_SMALL=1) is too slow for the suite: docs/gpu.md."""
 
 import ast
 import base64

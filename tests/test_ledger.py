@@ -174,9 +174,9 @@ def _stale_engine_factory(monkeypatch):
     class StalePrefixEngine(NativeEngine):
         old = None
 
-        def sync_weights(self, learner):
+        def sync_weights(self, update):
             self.old = {n: p.detach().clone() for n, p in self._params.items()}
-            return super().sync_weights(learner)
+            return super().sync_weights(update)
 
         def _run(self, fn, routing, rows, *args):
             if rows is not None or self.old is None:  # a decode step, or nothing synced yet
@@ -221,7 +221,7 @@ def test_a_sync_that_does_not_reach_the_engine_trips_the_warning(tmp_path, rewar
     loaded, bit for bit, and warns once."""
     from unison.rollout.native import NativeEngine
 
-    monkeypatch.setattr(NativeEngine, "sync_weights", lambda self, learner: {})  # every sync lost on the way
+    monkeypatch.setattr(NativeEngine, "sync_weights", lambda self, update: {})  # every sync lost on the way
     lines = []
     rows = _fit(tmp_path, "failed", reward + ["train.lr=1e-2"], steps=3, log=lines.append)
     warned = [x for x in lines if "does not hold the weights it claims" in x]

@@ -677,7 +677,7 @@ def test_episodes_through_a_vllm_server_send_token_id_prompts(tmp_path, tiny_dir
     """vllm.mode server (a stub of vLLM's HTTP API that answers like a model that uses the tool), synchronous
     and one version ahead (the episodes then run on the generating thread, each at one version)."""
     from unison.data_io import read_metrics
-    from unison.rollout.vllm_engine import PROBE_TEXT
+    from unison.rollout.vllm_server import PROBE_TEXT
     from unison.trainer import Trainer
     from vllm_stub import StubServer
 
@@ -781,9 +781,9 @@ def test_two_ranks_run_the_episodes_one_process_runs(echo):
         assert rb["mismatch/retokenize_k3"] == pytest.approx(ra["mismatch/retokenize_k3"], rel=1e-4, abs=1e-9)
 
 
-def test_the_readme_multi_turn_example_runs_as_written(tmp_path):
+def test_the_tasks_page_multi_turn_example_runs_as_written(tmp_path):
     """examples/multi_turn from another directory, without PYTHONPATH: the environment and the data are
-    found next to the config; the README shows these files whole."""
+    found next to the config; docs/tasks.md shows these files whole."""
     import os
     import subprocess
     import sys
@@ -799,9 +799,9 @@ def test_the_readme_multi_turn_example_runs_as_written(tmp_path):
     rows = read_metrics(tmp_path / "mt" / "metrics.jsonl")
     assert len(rows) == 1 and all(r["rollout/env_errors"] == 0 for r in rows)
     assert "[train] episodes of " in out.stderr and "tools word_length (calls read as pythonic)" in out.stderr
-    readme = (root / "README.md").read_text()
-    for f in ("env.py", "config.yaml"):  # the README's example is these files, verbatim
-        assert (root / "examples/multi_turn" / f).read_text().strip() in readme, f
+    page = (root / "docs/tasks.md").read_text()
+    for f in ("env.py", "config.yaml"):  # the page's example is these files, verbatim
+        assert (root / "examples/multi_turn" / f).read_text().strip() in page, f
 
 
 def test_probe_task_reports_the_drift_of_a_re_tokenizing_loop(tmp_path, capsys):

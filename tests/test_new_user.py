@@ -313,13 +313,13 @@ def test_probe_help_names_the_builtin_models(capsys):
     assert "builtin:tiny or builtin:smollm2" in out and "--threads" in out
 
 
-def test_the_int4_warning_quotes_the_readmes_probe_table():
+def test_the_int4_warning_quotes_the_quantized_rollout_pages_probe_table():
     from unison.algorithms.presets import resolve_policy
     from unison.config import PolicyConfig
     from unison.quant import quantization_warning
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    int4 = re.findall(r"\| fp32 \| int4 \| \d+ \| \*\*([0-9.]+)\*\* \|", readme)
+    page = (ROOT / "docs/quantized-rollout.md").read_text(encoding="utf-8")
+    int4 = re.findall(r"\| fp32 \| int4 \| \d+ \| \*\*([0-9.]+)\*\* \|", page)
     assert len(int4) == 2  # the tiny model's row, then SmolLM2's
     msg = quantization_warning("int4", resolve_policy("grpo", PolicyConfig()))
     assert f"{int4[0]} on the built-in tiny model and {int4[1]} on SmolLM2-135M" in msg
@@ -343,7 +343,7 @@ def test_the_report_says_reward_for_a_reward_that_is_not_binary(tmp_path):
 # 11. the custom-task example learns ----------------------------------------------------------------
 @pytest.mark.slow
 def test_the_custom_task_example_climbs(tmp_path):
-    """The README's example, as written (30 steps of the tiny model, ≈ 45 s): its reward climbs."""
+    """docs/tasks.md's example, as written (30 steps of the tiny model, ≈ 45 s): its reward climbs."""
     assert main(["train", str(ROOT / "examples/custom_task/config.yaml"), "--out", str(tmp_path / "r"),
                  "--set", "log.console=false", "--set", "log.tensorboard=false"]) == 0
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")]

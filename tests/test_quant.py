@@ -10,6 +10,7 @@ from unison.learner import Learner
 from unison.mismatch import seq_rho_over_fraction, token_rho_outside_fraction
 from unison.quant import fake_quantize, quantization_warning, quantize, targets
 from unison.rollout import SamplingParams, make_engine
+from unison.rollout.sync import push
 
 
 # ------------------------------------------------------------------ formats, by hand
@@ -91,7 +92,7 @@ def test_engine_holds_quantize_of_the_learner_after_every_sync(tiny_dir, fmt):
     with torch.no_grad():
         for p in learner.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    engine.sync_weights(learner)
+    push(engine, learner)
     quant = {t.name: t.in_dim for t in targets(learner.model)}
     eng = dict(engine.model.named_parameters())
     for name, w in learner.model.named_parameters():
@@ -107,7 +108,7 @@ def test_quantization_none_holds_the_learner_weights_bit_for_bit(tiny_dir):
     with torch.no_grad():
         for p in learner.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    engine.sync_weights(learner)
+    push(engine, learner)
     eng = dict(engine.model.named_parameters())
     assert all(torch.equal(eng[n], w) for n, w in learner.model.named_parameters())
     # and the probe's fp32 row is rounding-level, as before quantization existed

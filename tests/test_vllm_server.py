@@ -17,7 +17,7 @@ from unison.config import load_config
 from unison.data_io import read_metrics
 from unison.errors import UnisonError
 from unison.models import TinySpec, build_tiny_model, load_tokenizer
-from unison.rollout.vllm_engine import PROBE_TEXT
+from unison.rollout.vllm_server import PROBE_TEXT
 from unison.trainer import Trainer
 from vllm_stub import StubServer
 

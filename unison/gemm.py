@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from unison.config.values import parse_gemm
 from unison.errors import UnisonError
 from unison.threads import SMALL_MODEL, size_text
 
-CHOICES = ("auto", "blas", "onednn")
 #: oneDNN is taken by ``auto`` only this much faster than BLAS (below it, within a busy machine's noise)
 MARGIN = 1.3
 #: interleaved timing rounds per library (the best of each counts)
@@ -56,13 +56,6 @@ class Gemm:
 
     def __str__(self) -> str:
         return f"fp32 matmuls {self.name} ({self.reason})"
-
-
-def parse_gemm(value) -> str:
-    text = str(value).strip().lower()
-    if text not in CHOICES:
-        raise UnisonError(f"gemm '{value}' is not one of {', '.join(CHOICES)}: write e.g. gemm=auto")
-    return text
 
 
 def onednn_available() -> bool:

@@ -2,7 +2,7 @@
 
 It owns the optimizer (AdamW on the fp32 master weights), the loss scaler (fp16), gradient clipping on the
 global norm, skipped-step accounting, mini-batch steps with micro-batch gradient accumulation, and the
-gradient-noise probe (README, "How it is built"; docs/distributed.md). One class serves one process and
+gradient-noise probe (docs/architecture.md; docs/distributed.md). One class serves one process and
 ``torchrun`` + FSDP2 — every rank trains on its share of each mini-batch, normalisers are global, so the gradient
 equals the one-process gradient of the same batch — and the loop cannot tell which it has.
 """

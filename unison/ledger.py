@@ -245,7 +245,7 @@ def build_ledger(cfg, learner, source, model_dir, rollout_dtype, exact: bool = F
     from unison.rollout.native import NativeEngine
 
     engine = source.engine
-    held = (lambda: engine.stale_weights(engine.weights_from(learner))) if isinstance(engine, NativeEngine) else None
+    held = (lambda: engine.stale_weights(learner.export_weights(engine.weight_dtype))) if isinstance(engine, NativeEngine) else None
     return Ledger(learner, p, r.quantization, r.quant_group_size, rescore=rescore, weights=source.weights,
                   held_weights=held)
 

@@ -55,7 +55,7 @@ class TinySpec:
     max_position_embeddings: int = 1024
     #: std of the random init. Larger than HF's 0.02 so that an untrained
     #: model has peaked (low-entropy) next-token distributions, as trained
-    #: LMs do; the precision mismatch is then visible (the README's `unison probe` section).
+    #: LMs do; the precision mismatch is then visible (docs/cli.md, `unison probe`).
     initializer_range: float = 0.1
     seed: int = 0
 

@@ -20,27 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from unison.errors import UnisonError
+from unison.config.values import parse_precision
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-
-
-def parse_precision(name: str) -> str:
-    """Validate a precision name; return it normalised."""
-    key = str(name).strip().lower()
-    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-    key = aliases.get(key, key)
-    if key in ("fp8", "int8", "int4", "e4m3", "float8"):
-        raise UnisonError(f"precision '{name}' is not a compute precision: {key} is a weight format of the rollout "
-                          f"engine — set rollout.quantization={'fp8' if key in ('e4m3', 'float8') else key} and keep "
-                          f"precision one of fp32, bf16, fp16")
-    if key not in DTYPES:
-        raise UnisonError(f"unknown precision '{name}': choose one of fp32, bf16, fp16")
-    return key
 
 
 @dataclass(frozen=True)

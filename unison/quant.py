@@ -296,7 +296,7 @@ def check_targets(model: torch.nn.Module, fmt: str, group_size: int, found: list
 
 
 #: token k3 of each format against the fp32 learner, measured with `unison probe --quantization ...`
-#: (README, "Low-precision rollout", fp32 rows): the built-in tiny model (--n 8 --max-new-tokens 128) and
+#: (docs/quantized-rollout.md, fp32 rows): the built-in tiny model (--n 8 --max-new-tokens 128) and
 #: SmolLM2-135M (--n 4) — what the start-up warning cites; the warm-started tiny model of the
 #: experiment (docs/experiments/quantized_rollout.md) is lower, 3.5e-5 / 7e-4 / 2–4e-2
 MEASURED_K3 = {"fp8": "1.4e-2 on the built-in tiny model and 2.2e-2 on SmolLM2-135M",
@@ -315,7 +315,7 @@ def quantization_warning(fmt: str, policy: dict, quantization_aware: bool = Fals
     if fmt == "none" or quantization_aware or policy.get("correction") != "none" or policy.get("loss") in SELF_CORRECTING:
         return None
     return (f"rollout.quantization={fmt} with policy.correction=none: {fmt} rollout weights put the "
-            f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe, fp32; README)"
+            f"training–inference mismatch at token k3 {MEASURED_K3[fmt]} (unison probe, fp32; docs/quantized-rollout.md)"
             f"{MEASURED_EFFECT.get(fmt, '')}, "
             f"and peers report uncorrected GRPO degrading there (verl, FlashRL); consider train.quantization_aware=true "
             f"(the learner computes through the same quantizer: π = μ), or algo=gspo, grpo_icepop or grpo_token_tis")

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unison.errors import UnisonError
+from unison.config.values import parse_threads
 
 #: below this many parameters a model's ops are too small for a second thread to pay (the built-in
 #: tiny model, 0.8M: 1 thread; SmolLM2-135M's matmuls scale with threads); benchmarks/threads.py.
@@ -55,21 +55,6 @@ _applied: int | None = None
 _budget: int | None = None
 #: torch was not imported when the command line started: no user code can have set its threads
 _torch_untouched = False
-
-
-def parse_threads(value) -> int | str:
-    """``auto`` or a positive integer."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text:
-        raise UnisonError(f"threads '{value}' is not auto or a positive integer: write e.g. threads=1 or "
-                          f"threads=auto")
-    return n
 
 
 def prepare_environment() -> None:

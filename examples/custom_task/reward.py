@@ -1,4 +1,4 @@
-"""The reward of the custom-task example (README, "Bring your own task").
+"""The reward of the custom-task example (docs/tasks.md, "Bring your own task").
 
 unison calls it once per sampled response: ``reward(response, item) -> float``.
 

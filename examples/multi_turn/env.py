@@ -1,4 +1,4 @@
-"""A complete multi-turn environment with a tool (README, "Multi-turn environments and tools").
+"""A complete multi-turn environment with a tool (docs/tasks.md, "Multi-turn environments and tools").
 
 The model is asked how many letters a word has. It may call ``word_length`` (a plain function: its
 JSON schema comes from the type hints and the ``Args:`` docstring) and then answers; a wrong answer

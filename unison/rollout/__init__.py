@@ -7,11 +7,11 @@ learner's scoring code: the gap between the two is what unison measures.
 
 from __future__ import annotations
 
+from unison.config.values import ENGINES, parse_engine
 from unison.errors import UnisonError
 from unison.quant import DEFAULT_GROUP
 from unison.rollout.base import RolloutEngine, SamplingParams
 
-ENGINES = ("native", "vllm")
 
 
 def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options) -> RolloutEngine:
@@ -25,7 +25,8 @@ def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options) -> 
                             quantization=options.get("quantization", "none"),
                             quant_group_size=options.get("quant_group_size", DEFAULT_GROUP))
     if name == "vllm":
-        from unison.rollout.vllm_engine import VLLMEngine, VLLMServerEngine
+        from unison.rollout.vllm_engine import VLLMEngine
+        from unison.rollout.vllm_server import VLLMServerEngine
 
         if options.get("mode") == "server":
             return VLLMServerEngine(model_dir, dtype=dtype, device=device, **options)
@@ -57,13 +58,6 @@ def generate(engine, prompts, params: SamplingParams) -> list:
     (:class:`unison.tasks.env.Episodes`, anything with ``run``) drives the engine turn by turn instead."""
     run = getattr(prompts, "run", None)
     return run(engine, params) if run is not None else engine.generate(prompts, params)
-
-
-def parse_engine(name: str) -> str:
-    key = str(name).strip().lower()
-    if key not in ENGINES:
-        raise UnisonError(f"unknown engine '{name}': choose one of {', '.join(ENGINES)}")
-    return key
 
 
 __all__ = ["RolloutEngine", "SamplingParams", "generate", "make_engine", "parse_engine", "preflight_engine", "ENGINES"]

@@ -14,7 +14,7 @@ exactly what one process produces for all of them (given equal logits).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -26,9 +26,11 @@ class RolloutEngine(Protocol):
     """What the loop needs from a rollout engine (μ).
 
     ``generate`` returns prompt-major :class:`~unison.batch.Completion` objects with log μ of
-    every sampled token. ``sync_weights(learner)`` takes the learner's current weights — a
-    collective when the learner is sharded: every rank calls it; the learner casts to the
-    engine's ``dtype`` on its side. ``sleep``/``wake`` free and restore the engine's GPU memory
+    every sampled token. ``sync_weights(update)`` takes the policy's weights as named tensors
+    (:class:`WeightUpdate`, pushed by the rollout source; an engine never sees the learner) —
+    a collective stream when the learner is sharded: every rank calls it. The tensors come in
+    the engine's ``weight_dtype`` (cast on the learner's side; ``None``: the fp32 masters as
+    held, e.g. for an engine that quantizes them itself). ``sleep``/``wake`` free and restore the engine's GPU memory
     around the update (no-ops where meaningless). ``dp_rank``/``dp_size``: this process's
     place among the engine replicas that split a step's prompt groups (the ranks of one
     tensor-parallel vLLM engine share a replica and generate the same groups).
@@ -40,16 +42,32 @@ class RolloutEngine(Protocol):
     eos_ids: list[int]
     dp_rank: int
     dp_size: int
+    weight_dtype: torch.dtype | None
 
     def generate(self, prompts: list[list[int]], params: "SamplingParams") -> list: ...
 
-    def sync_weights(self, learner) -> dict[str, float]: ...
+    def sync_weights(self, update: "WeightUpdate") -> dict[str, float]: ...
 
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class WeightUpdate:
+    """What a weight sync hands an engine, taken from the learner by the rollout source.
+
+    ``tensors``: ``(HF name, full tensor)`` in the engine's ``weight_dtype``, streamed (a collective when the
+    learner is sharded: every rank consumes it to the end). ``shapes``: what the stream yields, in its order,
+    without materialising it (a weight transfer announces it first). ``probe_logprobs``: the policy's log-probs
+    (temperature 1) of the engine's ``probe_ids``, for an engine that checks its copy against them (a server).
+    """
+
+    tensors: Iterable[tuple[str, torch.Tensor]]
+    shapes: list[tuple[str, tuple[int, ...]]] | None = None
+    probe_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)

@@ -87,16 +87,16 @@ class NativeEngine:
         self.dp_rank, self.dp_size = current().rank, current().world_size  # one engine per rank
 
     # ------------------------------------------------------ the engine protocol
-    def sync_weights(self, learner) -> dict[str, float]:
-        """Take the learner's weights, cast to this engine's dtype on the learner's side (quantized
-        rollout: the fp32 masters, quantized here)."""
-        self.load_weights(self.weights_from(learner))
+    def sync_weights(self, update) -> dict[str, float]:
+        """Load the pushed weights (in :attr:`weight_dtype`: this engine's dtype, or with quantized rollout the
+        fp32 masters, quantized here)."""
+        self.load_weights(update.tensors)
         return {}
 
-    def weights_from(self, learner):
-        """The ``(name, tensor)`` stream a sync loads: the learner's weights cast to this engine's dtype on the
-        learner's side (quantized rollout: the fp32 masters, quantized here)."""
-        return learner.export_weights(None if self._quant else self.dtype)
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype a sync sends: this engine's, or ``None`` (the fp32 masters) when it quantizes them."""
+        return None if self._quant else self.dtype
 
     def sleep(self) -> None:
         """Nothing to free: the native engine's cache lives only during ``generate``."""

@@ -142,7 +142,7 @@ def load_callable(spec: str, what: str = "reward") -> Callable:
     """``module:function`` or ``path/to/file.py:function`` -> the function (UnisonError naming
     what is missing); ``what`` names it in errors (``environment``: ``module:Class``). A config's
     ``module:function`` whose ``module.py`` sits next to the config file is turned into the file's
-    path when the config is read (unison/config.py)."""
+    path when the config is read (unison/config/load.py)."""
     kind = "Class" if what == "environment" else "function"
     if ":" not in spec:
         example = "my_env:MyEnv" if what == "environment" else "my_rewards:exact_match"
@@ -236,7 +236,7 @@ def make_task(cfg, evaluate: bool = True) -> Task:
                               "'prompt' (or 'problem') field per row")
         if not cfg.reward:
             raise UnisonError("task.name is 'jsonl' but task.reward is not set: name your reward function, "
-                              "e.g. task.reward=my_reward:score (README, 'Bring your own task')")
+                              "e.g. task.reward=my_reward:score (docs/tasks.md, 'Bring your own task')")
         return JsonlTask(cfg.path, eval_path=cfg.eval_path, eval_size=cfg.eval_size if evaluate else 0,
                          template=cfg.template, seed=cfg.seed)
     if cfg.name == "reasoning_gym":

@@ -375,7 +375,7 @@ class EnvTask(Task):
         self.env = env or cfg.env
         if not self.env:
             raise UnisonError(f"task.name is '{cfg.name}' but task.env is not set: name your environment class, "
-                              f"e.g. task.env=my_env:MyEnv (README, 'Multi-turn environments and tools')")
+                              f"e.g. task.env=my_env:MyEnv (docs/tasks.md, 'Multi-turn environments and tools')")
         self.env_cls = load_callable(self.env, what="environment")
         self.env_name = getattr(self.env_cls, "__name__", self.env)
         for meth in ("reset", "step"):

@@ -1,4 +1,5 @@
-"""The training configuration: typed (pydantic v2), loaded from YAML, overridden with ``--set``.
+"""The training configuration's typed tree (pydantic v2) and the rules of its named values — a leaf: it imports no
+other part of unison but its errors and the rules of its named values (:mod:`unison.config.values`). Loading (YAML, ``--set``, did-you-mean, paths): :mod:`unison.config.load`.
 
 Every field is documented where it is declared (every key: docs/config.md). Contract keys:
 ``seed``, ``precision`` (with ``rollout_precision`` / ``learner_precision``
@@ -11,14 +12,11 @@ out-of-range values give one line naming the key.
 
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from unison.errors import UnisonError
+from unison.config.values import parse_engine, parse_gemm, parse_precision, parse_threads
 
 
 class _Section(BaseModel):
@@ -29,8 +27,8 @@ class TaskConfig(_Section):
     """Where prompts and rewards come from (see ``unison/tasks/``)."""
 
     #: arithmetic | scratchpad | math (JSONL problem/answer, math-verify) | jsonl (your prompts and your
-    #: reward function: README, "Bring your own task") | reasoning_gym | env (multi-turn episodes with your
-    #: environment and tools: README, "Multi-turn environments and tools") | calculator (arithmetic solved with
+    #: reward function: docs/tasks.md, "Bring your own task") | reasoning_gym | env (multi-turn episodes with your
+    #: environment and tools: docs/tasks.md, "Multi-turn environments and tools") | calculator (arithmetic solved with
     #: a calc tool, multi-turn) | guess_number (guess a number from higher/lower replies, multi-turn)
     name: Literal["arithmetic", "scratchpad", "math", "jsonl", "reasoning_gym", "env", "calculator",
                   "guess_number"] = "arithmetic"
@@ -72,7 +70,7 @@ class TaskConfig(_Section):
     dataset: str | None = None
     #: custom reward ``module:function`` (``module.py`` next to the config file, or importable) or
     #: ``path/to/file.py:function``, called as ``f(response: str, item: Item) -> float``; replaces
-    #: the task's verifier (README, "Bring your own task"). Multi-turn tasks: called once per episode as
+    #: the task's verifier (docs/tasks.md, "Bring your own task"). Multi-turn tasks: called once per episode as
     #: ``f(messages: list[dict], item) -> float`` on the whole conversation, instead of the environment's reward
     reward: str | None = None
     #: env: the environment class ``module:Class`` (``module.py`` next to the config file, or importable) or
@@ -266,7 +264,7 @@ class TrainConfig(_Section):
     #: longest first, into micro-batches of at most this many tokens (rows × the micro-batch's own
     #: longest row, to which it is cut) and at most micro_batch_size rows. Bounds the activation memory
     #: whatever the response lengths (SmolLM2, fp32, 8 × 4 × 128 tokens: the run peaks at 5.4 GiB at 512,
-    #: 6.4 at 1024, 13.5 at 4096, step times within noise: benchmarks/trl_compare.py and README). GPUs have
+    #: 6.4 at 1024, 13.5 at 4096, step times within noise: benchmarks/trl_compare.py and docs/benchmarks.md). GPUs have
     #: the memory for far more (verl sizes it per GPU, e.g. 16384). null = micro_batch_size rows at the whole
     #: batch's width (the numerics of unison ≤ 0.1 before this key). Ignored in exact mode (its layout is fixed)
     micro_batch_tokens: int | None = Field(512, ge=1)
@@ -321,7 +319,7 @@ class TrainConfig(_Section):
 
 
 class VLLMConfig(_Section):
-    """Options of ``engine: vllm`` (README, "Rollout engines"). GPU options are UNTESTED until run on a GPU."""
+    """Options of ``engine: vllm`` (docs/engines.md). GPU options are UNTESTED until run on a GPU."""
 
     #: colocate: an in-process vllm.LLM (one per torchrun rank: external_launcher) | server: a running
     #: `vllm serve` at `url`
@@ -351,7 +349,7 @@ class VLLMConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    """``torchrun`` + FSDP2 (README, "Many GPUs"). Only meaningful under ``torchrun``: setting a
+    """``torchrun`` + FSDP2 (docs/distributed.md). Only meaningful under ``torchrun``: setting a
     key in a single process is refused. ``None`` = the default named here."""
 
     #: compute (default): parameters all-gathered in the learner's compute dtype
@@ -407,7 +405,7 @@ class ScalerConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Checkpoints (README, "Nothing lost"): periodic, at the end, and on SIGTERM / Ctrl-C."""
+    """Checkpoints (docs/cli.md, "Nothing lost"): periodic, at the end, and on SIGTERM / Ctrl-C."""
 
     #: save every N steps (0 = by time only)
     every: int = Field(0, ge=0)
@@ -503,231 +501,19 @@ class Config(_Section):
     @field_validator("precision", "rollout_precision", "learner_precision")
     @classmethod
     def _precision(cls, v):
-        from unison.precision import parse_precision
-
         return None if v is None else parse_precision(v)
 
     @field_validator("threads", mode="before")
     @classmethod
     def _threads(cls, v):
-        from unison.threads import parse_threads
-
         return parse_threads(v)
 
     @field_validator("gemm", mode="before")
     @classmethod
     def _gemm(cls, v):
-        from unison.gemm import parse_gemm
-
         return parse_gemm(v)
 
     @field_validator("engine")
     @classmethod
     def _engine(cls, v):
-        from unison.rollout import parse_engine
-
         return parse_engine(v)
-
-
-# ----------------------------------------------------------------------------- loading
-def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, f in model.model_fields.items():
-        keys.append(prefix + name)
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _known_keys(ann, prefix + name + ".")
-    return keys
-
-
-def _check_keys(data: Any, model: type[BaseModel], prefix: str = "") -> None:
-    if not isinstance(data, dict):
-        return
-    for key, value in data.items():
-        if key not in model.model_fields:
-            full = prefix + str(key)
-            close = difflib.get_close_matches(full, _known_keys(Config), n=1, cutoff=0.5)
-            hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md for the keys"
-            raise UnisonError(f"unknown config key '{full}': {hint}")
-        ann = model.model_fields[key].annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            if not isinstance(value, dict):
-                raise UnisonError(f"config key '{prefix}{key}' must be a section (mapping), "
-                                  f"got {type(value).__name__}")
-            _check_keys(value, ann, prefix + key + ".")
-
-
-def _validation_message(err: ValidationError) -> str:
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"])
-    return f"config key '{loc}': {e['msg']} (got {e.get('input')!r}): fix the value"
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b=value`` -> (["a", "b"], parsed value). Values are parsed as YAML scalars/lists."""
-    if "=" not in text:
-        raise UnisonError(f"--set '{text}' is not key=value: write e.g. --set train.lr=1e-5")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise UnisonError(f"--set '{text}' has an empty key: write e.g. --set train.lr=1e-5")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str) and _looks_float(value):
-        value = float(value)
-    return key.split("."), value
-
-
-def _looks_float(s: str) -> bool:
-    try:
-        float(s)
-        return any(c in s.lower() for c in ".e") and not s.lower().startswith(("nan", "inf", "-inf"))
-    except ValueError:
-        return False
-
-
-def read_yaml(path: str | Path) -> dict:
-    """A YAML config file as a dict, with one-line errors for missing or malformed files."""
-    from unison.data_io import read_text
-
-    path = Path(path)
-    if path.is_dir():
-        raise UnisonError(f"config file '{path}' is a directory: pass a YAML file "
-                          f"(see configs/ for examples)")
-    if not path.is_file():
-        raise UnisonError(f"config file '{path}' does not exist: pass a YAML file "
-                          f"(see configs/ for examples)")
-    text = read_text(path, what="config file")
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UnisonError(f"config file '{path}' is not valid YAML{where} ({what}): fix the syntax there") from e
-    if not isinstance(data, dict):
-        raise UnisonError(f"config file '{path}' must hold a mapping of keys, got {type(data).__name__}")
-    _fix_yaml_floats(data)
-    return data
-
-
-def merge(base: dict, update: dict) -> dict:
-    """Recursive dict merge (``update`` wins)."""
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
-    """Apply ``--set`` overrides to ``data``, check the keys, validate."""
-    data = merge({}, data)
-    raw: dict[tuple, str] = {}
-    for text in overrides or []:
-        keys, value = parse_override(text)
-        node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise UnisonError(f"--set '{text}': '{k}' is not a section")
-        node[keys[-1]] = value
-        raw[tuple(keys)] = text.split("=", 1)[1]
-    _check_keys(data, Config)
-    for _ in range(len(raw) + 1):
-        try:
-            return Config.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = tuple(str(p) for p in err["loc"])
-            if err["type"] != "string_type" or loc not in raw or isinstance(_get(data, loc), str):
-                raise UnisonError(_validation_message(e)) from e
-            _get(data, loc[:-1])[loc[-1]] = raw[loc]  # --set key=Solve: {problem} means the text as written
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _get(data: dict, keys):
-    for k in keys:
-        data = data[k]
-    return data
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or start from defaults), apply ``--set`` overrides, validate, and make every path
-    absolute (:func:`resolve_paths`: a path written in the file is looked for next to the file first,
-    one given with ``--set`` in the working directory first), so that the run's config.yaml finds
-    everything again on --resume, from any directory."""
-    cfg = config_from_dict(read_yaml(path) if path is not None else {}, overrides)
-    return resolve_paths(cfg, Path(path).resolve().parent if path is not None else None, override_keys(overrides))
-
-
-#: the config keys that name a file or directory (task.reward too: its module part, below)
-PATH_KEYS = ("model", "task.path", "task.eval_path", "vllm.sync_dir")
-
-
-def override_keys(overrides: list[str] | None) -> set[str]:
-    """The dotted keys that ``--set`` overrides name."""
-    return {t.split("=", 1)[0].strip() for t in overrides or [] if "=" in t}
-
-
-def resolve_paths(cfg: Config, config_dir: Path | None = None, from_cli: set[str] = frozenset()) -> Config:
-    """``cfg`` with every relative path made absolute. A path read from the config file is looked for
-    next to the file first, then in the working directory (a same-named file in the working directory
-    does not win over the config's own); one given on the command line (``from_cli``) the other way
-    round. A reward ``module:function`` whose ``module.py`` is found that way becomes that file's path.
-    A path found nowhere is left as written (the check that reads it names it); ``vllm.sync_dir``, a
-    directory unison creates, is taken from the working directory."""
-    def bases(key: str) -> list[Path]:
-        here = [config_dir] if config_dir is not None else []
-        return [Path.cwd(), *here] if key in from_cli else [*here, Path.cwd()]
-
-    def find(value: str, key: str) -> str:
-        p = Path(value).expanduser()
-        if p.is_absolute():
-            return str(p)
-        for base in bases(key):
-            if (base / p).exists():
-                return str((base / p).resolve())
-        return value
-
-    cfg = cfg.model_copy(deep=True)
-    for key in PATH_KEYS:
-        section, _, name = key.rpartition(".")
-        node = getattr(cfg, section) if section else cfg
-        value = getattr(node, name)
-        if not value or value.startswith(BUILTIN):
-            continue
-        if key == "vllm.sync_dir":
-            setattr(node, name, str(Path(value).expanduser().resolve()))
-        else:
-            setattr(node, name, find(value, key))
-    for key in ("reward", "env"):  # module:name, its module.py found as a path is
-        spec = getattr(cfg.task, key)
-        if spec and ":" in spec:
-            module, fn = spec.rsplit(":", 1)
-            file = module if module.endswith(".py") else module.replace(".", "/") + ".py"
-            found = find(file, f"task.{key}")
-            if found != file or Path(file).is_absolute():
-                setattr(cfg.task, key, f"{found}:{fn}")
-    template = cfg.task.chat_template  # a jinja file (the other values name templates unison has)
-    if template not in ("auto", "model") and not template.startswith(BUILTIN):
-        cfg.task.chat_template = find(template, "task.chat_template")
-    return cfg
-
-
-BUILTIN = "builtin:"
-
-
-def _fix_yaml_floats(node) -> None:
-    """YAML 1.1 reads ``1e-5`` as a string; turn such strings back into floats."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if isinstance(v, str) and _looks_float(v):
-                node[k] = float(v)
-            else:
-                _fix_yaml_floats(v)
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

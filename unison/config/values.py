@@ -1,0 +1,56 @@
+"""The rules of the configuration's named values (precisions, engines, GEMM libraries, thread counts): a leaf that
+the modules acting on them import, so the config never imports them."""
+
+from __future__ import annotations
+
+from unison.errors import UnisonError
+
+#: compute precisions of the two engines (torch dtypes: unison.precision.DTYPES)
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: rollout engines (unison.rollout.make_engine)
+ENGINES = ("native", "vllm")
+#: libraries of the CPU's fp32 matmuls (unison.gemm)
+GEMM_CHOICES = ("auto", "blas", "onednn")
+
+
+def parse_precision(name: str) -> str:
+    """Validate a precision name; return it normalised."""
+    key = str(name).strip().lower()
+    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+    key = aliases.get(key, key)
+    if key in ("fp8", "int8", "int4", "e4m3", "float8"):
+        raise UnisonError(f"precision '{name}' is not a compute precision: {key} is a weight format of the rollout "
+                          f"engine — set rollout.quantization={'fp8' if key in ('e4m3', 'float8') else key} and keep "
+                          f"precision one of fp32, bf16, fp16")
+    if key not in PRECISIONS:
+        raise UnisonError(f"unknown precision '{name}': choose one of fp32, bf16, fp16")
+    return key
+
+
+def parse_threads(value) -> int | str:
+    """``auto`` or a positive integer."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text:
+        raise UnisonError(f"threads '{value}' is not auto or a positive integer: write e.g. threads=1 or "
+                          f"threads=auto")
+    return n
+
+
+def parse_gemm(value) -> str:
+    text = str(value).strip().lower()
+    if text not in GEMM_CHOICES:
+        raise UnisonError(f"gemm '{value}' is not one of {', '.join(GEMM_CHOICES)}: write e.g. gemm=auto")
+    return text
+
+
+def parse_engine(name: str) -> str:
+    key = str(name).strip().lower()
+    if key not in ENGINES:
+        raise UnisonError(f"unknown engine '{name}': choose one of {', '.join(ENGINES)}")
+    return key

