@@ -156,40 +156,85 @@ def test_sanity_config_layers_defaults_yaml_and_overrides(tmp_path):
         sanity_config(None, ["train.lrr=1"])
 
 
-def test_demo_end_to_end_small(tmp_path, capsys, sft_model):
-    """`unison demo` (make demo): the precision arms, then the clean run, int4 GRPO and the same run
-    quantization-aware, one report with both tables, the three curves, the ledger and the headline; a rerun
-    reuses every arm."""
+@pytest.mark.parametrize("regime,seeds,workers", [("stale", "0,1", "2"), ("int4", "0", "1")])
+def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, workers):
+    """`unison demo` (make demo): the precision arms, then part 2's clean, broken and cured runs on two seeds, two
+    processes at a time (int4: GRPO and the same run quantization-aware; stale: K = 4 naive and with the
+    mismatch-budget LR, each with its own engine worker process); one report with both tables, part 2 per seed and
+    its mean, the curves, the ledger and the headline; a rerun reuses every arm."""
     import shutil
 
     out = tmp_path / "d"
     for part in ("precision", "collapse"):  # the module's warm start (the demo reuses a finished SFT)
         shutil.copytree(sft_model, out / part / "sft" / "model")
     args = ["demo", "--out", str(out), "--precisions", "fp32", "--k", "4", "--max-prompts", "8",
-            "--collapse-prompts", "8", "--set", "train.steps=2", "--set", "train.prompts_per_step=4",
-            "--set", "rollout.n=4", "--set", "checkpoint.every=0", "--set", "mismatch.decompose_every=1",
-            "--set", "task.name=arithmetic", "--set", "train.mini_batches=1"]
+            "--collapse-prompts", "8", "--seeds", seeds, "--workers", workers, "--regime", regime, "--set", "train.steps=2",
+            "--set", "train.prompts_per_step=4", "--set", "rollout.n=4", "--set", "checkpoint.every=0",
+            "--set", "mismatch.decompose_every=1", "--set", "task.name=arithmetic", "--set", "train.mini_batches=1"]
     args += [x for kv in TASK for x in ("--set", kv)]
     assert main(args) == 0
     assert sorted(p.name for p in (out / "precision" / "arms").iterdir()) == ["fp32-grpo"]
-    assert sorted(p.name for p in (out / "collapse" / "arms").iterdir()) == ["fp32-grpo", "fp32-int4-grpo",
-                                                                              "fp32-int4-grpo-qat"]
+    names = {"int4": ["fp32-grpo", "fp32-int4-grpo-qat", "fp32-int4-grpo"],
+             "stale": ["fp32-grpo-k0", "fp32-grpo-k4-budget", "fp32-grpo-k4"]}[regime]
+    seed_list = [int(x) for x in seeds.split(",")]
+    assert sorted(p.name for p in (out / "collapse" / "arms").iterdir()) == sorted(f"{n}-s{s}" for n in names
+                                                                                   for s in seed_list)
     text = (out / "report.md").read_text()
-    assert "int4 rollout weights: GRPO went from" in text and "quantization_aware=true reached" in text
+    title = {"int4": "int4 rollout weights", "stale": "samples 4 policy versions old"}[regime]
+    assert f"{title}, GRPO training accuracy (last 10 steps), mean of {len(seed_list)} seed" in text
+    assert "| seed | clean |" in text and "| mean |" in text
     assert (out / "plots" / "collapse_and_cure.png").exists() and (out / "plots" / "ledger.png").exists()
-    cured = [json.loads(x) for x in (out / "collapse" / "arms" / "fp32-int4-grpo-qat" / "metrics.jsonl").read_text()
-             .splitlines()]
-    assert all(r["mismatch/k3"] < 1e-9 for r in cured)  # π is the policy μ samples from
-    assert "quantization_aware=true reached" in capsys.readouterr().out
+    arms = out / "collapse" / "arms"
+    for s in seed_list:
+        cured = [json.loads(x) for x in (arms / f"{names[1]}-s{s}" / "metrics.jsonl").read_text().splitlines()]
+        if regime == "int4":
+            assert all(r["mismatch/k3"] < 1e-9 for r in cured)  # π is the policy μ samples from
+        else:
+            import yaml
+
+            assert all("schedule/budget_factor" in r for r in cured)  # the LR follows the measured mismatch
+            broken_cfg = yaml.safe_load((arms / f"{names[2]}-s{s}" / "config.yaml").read_text())
+            assert broken_cfg["rollout"]["max_staleness"] == 4
+    if len(seed_list) == 2:
+        s0 = (arms / f"{names[2]}-s0" / "metrics.jsonl").read_text()
+        s1 = (arms / f"{names[2]}-s1" / "metrics.jsonl").read_text()
+        assert s0 != s1  # two seeds, two paths
+    assert f"mean of {len(seed_list)} seed" in capsys.readouterr().out
     assert main(args) == 0  # everything reused
 
 
-def test_demo_verdict_claims_a_cure_only_after_a_collapse():
-    """The headline's verdict: a collapse is a run that fell and ends under 95% of the clean run (0.95·0.88 =
-    0.836); the README's run (0.79 → 0.56, cured 0.87) is a cure, a run that rose is no collapse whatever its gap."""
-    from unison.demo import _verdict
+def _seed(seed, clean, broken, cured, start=0.8):
+    from unison.demo import judge_seed
 
-    assert _verdict(0.79, 0.56, 0.87, 0.88).endswith("quantizer cured it")
-    assert _verdict(0.79, 0.56, 0.80, 0.88).endswith("did not cure it")  # 0.80 < 0.836
-    assert _verdict(0.64, 0.83, 0.86, 0.91).startswith("here the int4 run did not collapse (it rose")  # the rounding path
-    assert "ended within 5% of the clean run" in _verdict(0.90, 0.86, 0.90, 0.88)  # fell, but 0.86 >= 0.836
+    def rows(first, last):  # 10 steps at ``first`` then 10 at ``last``
+        return [{"step": i + 1, "reward/mean": first if i < 10 else last} for i in range(20)]
+
+    return judge_seed(seed, rows(clean, clean), rows(start, broken), rows(cured, cured))
+
+
+def test_demo_verdict_claims_a_cure_only_when_it_held_on_every_seed():
+    """Per seed: a collapse ends below 80% of the clean run, a cure at 95% of it or above (0.8·0.88 = 0.704,
+    0.95·0.88 = 0.836). The cure is claimed only when every seed collapsed and every cure held."""
+    from unison.demo import REGIMES, verdict
+
+    p = _seed(0, 0.88, 0.56, 0.87)
+    assert (p["broken_start"], p["broken"]) == pytest.approx((0.8, 0.56)) and p["collapsed"] and p["cure_held"]
+    cured_all = [_seed(0, 0.88, 0.56, 0.87), _seed(1, 0.90, 0.40, 0.90)]
+    assert verdict(cured_all) == ("on every seed (2/2) the int4 run collapsed, and computing the learner through the "
+                                  "rollout's quantizer (train.quantization_aware=true) cured it (≥ 95% of the clean run)")
+    assert verdict(cured_all, REGIMES["stale"]).startswith("on every seed (2/2) the K = 4 run collapsed, and the "
+                                                           "learning rate that follows the measured mismatch")
+    some = [_seed(0, 0.88, 0.56, 0.87), _seed(1, 0.88, 0.56, 0.80)]  # 0.80 < 0.836: not cured on seed 1
+    v = verdict(some)
+    assert v.startswith("the int4 run collapsed on 2/2 seeds (0, 1); the quantization-aware run held on 1 of them (0)")
+    assert "ended below 95% of the clean run on seed 1" in v and v.endswith("no cure is claimed (it must hold on every seed)")
+    assert "cured it" not in v
+    none = [_seed(0, 0.88, 0.75, 0.87), _seed(1, 0.88, 0.71, 0.87)]  # 0.71 >= 0.704: no collapse
+    assert verdict(none).startswith("the int4 run did not collapse on any of the 2 seeds")
+    one = [_seed(0, 0.88, 0.56, 0.87), _seed(1, 0.88, 0.80, 0.87)]  # seed 1 did not collapse
+    assert verdict(one).startswith("the int4 run collapsed on 1/2 seeds (0); the quantization-aware run held on 1 of them (0)")
+    assert "no cure is claimed" in verdict(one)
+    both = [_seed(0, 0.88, 0.56, 0.60), _seed(1, 0.88, 0.50, 0.87)]  # seed 0: the cure fell too (0.60 < 0.704)
+    v = verdict(both)
+    assert "collapsed as well on seed 0" in v and "held on 1 of them (1)" in v and "no cure is claimed" in v
+    assert "the mismatch-budget run held on 1 of them (1)" in verdict(both, REGIMES["stale"])

@@ -323,17 +323,25 @@ def _add_demo(sub) -> None:
                        description="Part 1: Paper A's sanity test, one GRPO run per precision on 2-digit addition (SFT warm "
                                    "start, a perfectible set, 40 steps). Part 2: on chained sums with the working written "
                                    "out (69-token answers), the clean fp32 run, the same run with int4 rollout weights, "
-                                   "and that run with a quantization-aware learner (40 steps each). One report with both "
-                                   "tables, the three curves and each run's mismatch ledger. Rerunning with the same "
-                                   "--out reuses what is finished.")
+                                   "and that run with a quantization-aware learner (30 steps each, on two seeds). Runs go "
+                                   "two at a time; both parts start from warm starts shipped with unison "
+                                   "(--from-scratch makes them). One report with both tables, part 2 per seed, the "
+                                   "curves and each run's mismatch ledger; a cure is claimed only when it held on every "
+                                   "seed. Rerunning with the same --out reuses what is finished.")
     p.add_argument("config", nargs="?", default=None,
                    help="YAML overriding the built-in recipe (unison/sanity.py DEFAULTS)")
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     p.add_argument("--precisions", default="fp16,bf16,fp32", help="part 1's arms (default: fp16,bf16,fp32)")
-    p.add_argument("--quantization", default="int4", help="part 2's rollout weight format (default: int4)")
+    p.add_argument("--regime", default=None,
+                   help="part 2's regime: stale (samples 4 versions old; cure: the mismatch-budget LR; the default) or "
+                        "int4 (int4 rollout weights; cure: the quantization-aware learner)")
     p.add_argument("--k", type=int, default=8, help="filter: samples per prompt (default: 8)")
     p.add_argument("--max-prompts", type=int, default=32, help="filter: part 1's training set (default: 32)")
     p.add_argument("--collapse-prompts", type=int, default=64, help="filter: part 2's training set (default: 64)")
+    p.add_argument("--seeds", default="0,1", help="part 2's seeds, each run once per seed (default: 0,1)")
+    p.add_argument("--workers", type=int, default=2, help="runs at a time, one process each (default: 2)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="make both warm starts (SFT and the perfectible set) instead of the shipped ones")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, applied to both parts (after part 2's recipe: unison/demo.py)")
     p.set_defaults(func=cmd_demo)
@@ -342,21 +350,29 @@ def _add_demo(sub) -> None:
 def cmd_demo(args) -> int:
     from rich.console import Console
 
-    from unison.demo import COLLAPSE_RECIPE, PRECISION_STEPS, run_demo
-    from unison.quant import parse_quantization
+    from unison.demo import COLLAPSE_RECIPE, DEFAULT_REGIME, PRECISION_STEPS, REGIMES, run_demo
     from unison.report import rich_table
     from unison.sanity import sanity_config
 
+    regime = args.regime or DEFAULT_REGIME
+    if regime not in REGIMES:
+        raise UnisonError(f"--regime '{regime}' is not one of {', '.join(REGIMES)}: write e.g. --regime stale")
     precision_cfg = sanity_config(args.config, PRECISION_STEPS + args.set)
-    collapse_cfg = sanity_config(args.config, COLLAPSE_RECIPE + args.set)
+    collapse_cfg = sanity_config(args.config, COLLAPSE_RECIPE + REGIMES[regime].recipe + args.set)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
-    quant = parse_quantization(args.quantization)
-    if quant == "none":
-        raise UnisonError("--quantization none leaves nothing to collapse: use int4 (or fp8, int8)")
-    res = run_demo(precision_cfg, collapse_cfg, out, _csv(args.precisions), quantization=quant, k=args.k,
-                   max_prompts=args.max_prompts, collapse_prompts=args.collapse_prompts)
+    try:
+        seeds = [int(x) for x in _csv(args.seeds)]
+    except ValueError:
+        raise UnisonError(f"--seeds '{args.seeds}' is not a list of integers: write e.g. --seeds 0,1") from None
+    if not seeds:
+        raise UnisonError("--seeds is empty: name at least one, e.g. --seeds 0,1")
+    if args.workers < 1:
+        raise UnisonError(f"--workers {args.workers}: give at least 1")
+    res = run_demo(precision_cfg, collapse_cfg, out, _csv(args.precisions), regime=regime, k=args.k,
+                   max_prompts=args.max_prompts, collapse_prompts=args.collapse_prompts, seeds=seeds,
+                   from_scratch=args.from_scratch, workers=args.workers)
     console = Console(width=max(Console().width, 140))
     console.print(rich_table(res["arms"], title="unison demo: one row per run"))
     console.print(res["headline"])

@@ -2,22 +2,31 @@
 
 1. Paper A's sanity test, shortened: the same GRPO run once per precision (fp16, bf16, fp32) — the
    mismatch each precision causes (token k3), and that at this scale none of them decides the outcome.
-2. A run that collapses and the same run cured: int4 rollout weights (the rollout engine samples with
-   4-bit weights, the learner trains fp32 masters, as peers do for speed) make GRPO's training accuracy
-   fall; the same run with ``train.quantization_aware: true`` (the learner computes through the rollout's
-   quantizer: π is the policy μ samples from) does not. The fp32 arm of part 1 is the clean run beside them.
-3. One report: both tables, the three curves in one plot, the mismatch ledger of each run (where its
-   mismatch came from), and one line saying what was seen.
+2. A run that collapses and the same run cured, **on two seeds**: int4 rollout weights (the rollout engine
+   samples with 4-bit weights, the learner trains fp32 masters, as peers do for speed) make GRPO's training
+   accuracy fall; the same run with ``train.quantization_aware: true`` (the learner computes through the
+   rollout's quantizer: π is the policy μ samples from) does not. The clean fp32 run is beside them.
+3. One report: both tables, part 2 per seed and its mean, the curves, each run's mismatch ledger, and one
+   line saying what was seen on every seed — a cure is claimed only when it held on all of them.
 
-Everything is built on ``unison sanity`` (shared SFT warm start and perfectible set, one directory per arm);
-rerunning with the same ``--out`` reuses what is finished.
+The runs go two at a time, one process each (the tiny model computes on one thread: two processes on two
+cores cost no extra wall time). Both parts start from warm starts shipped with unison (``unison/data/demo``:
+the SFT model and the perfectible set ``unison sanity`` would make first, made by
+``scripts/make_demo_warm_starts.sh``); ``--from-scratch`` makes them instead. Everything is built on
+``unison sanity`` (one directory per arm); rerunning with the same ``--out`` reuses what is finished.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import hashlib
+import json
 import math
+import multiprocessing as mp
+import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from unison.config import Config
@@ -27,44 +36,198 @@ from unison.errors import UnisonError
 CURE = ("-qat", {"train": {"quantization_aware": True}})
 #: part 1's length: the arithmetic sanity test reaches 95% by step ≈ 20 on the CPUs measured
 PRECISION_STEPS = ["train.steps=40"]
-#: part 2's recipe: experiments/quantized_rollout's (chained sums with the working written out, 69-token answers,
-#: 16 prompts × 8, 4 mini-batches per step, lr 1e-4), cut from 60 steps to 40 — the cheapest collapse we found.
-#: Seed 0 on an AMD EPYC (docs/experiments/cures.md, steps 1–10 → 31–40): int4 GRPO 0.79 → 0.56, the same run
-#: quantization-aware 0.76 → 0.87, the clean run 0.83 → 0.88 (the LR is constant: the first 40 of 60 steps)
+#: part 2's base recipe (experiments/demo_recipe, docs/experiments/demo_recipe.md: 6 seeds, every candidate): chained
+#: sums with the working written out (69-token answers), 16 prompts × 8, 4 mini-batches per step, lr 1e-4, 30 steps
 COLLAPSE_RECIPE = ["task.name=scratchpad", "task.operands=7", "task.digits=2", "task.style=full",
                    "task.train_size=600", "task.eval_size=200", "rollout.max_new_tokens=96", "sft.steps=600",
-                   "train.steps=40", "train.lr=1e-4", "train.prompts_per_step=16", "rollout.n=8",
+                   "train.steps=30", "train.lr=1e-4", "train.prompts_per_step=16", "rollout.n=8",
                    "train.mini_batches=4", "train.micro_batch_size=64", "train.micro_batch_tokens=null"]
 
 
-def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions: list[str],
-             log=lambda m: print(m, file=sys.stderr, flush=True), quantization: str = "int4", k: int = 8,
-             max_prompts: int | None = 32, collapse_prompts: int | None = 64) -> dict:
-    """Run the demo's two parts (``out/precision``, ``out/collapse``) and write ``out/report.md``."""
-    from unison.report import summarize
+@dataclass(frozen=True)
+class Regime:
+    """Part 2: a regime where the mismatch decides the outcome — its three runs (kind -> (label, rollout
+    quantization, ``run_sanity`` variant)), what its recipe adds to ``COLLAPSE_RECIPE``, the words its verdict uses
+    and the ledger term that carries its mismatch."""
+
+    recipe: list[str]
+    arms: dict
+    title: str
+    broken: str
+    cure: str
+    cure_run: str
+    term: str
+
+
+STALE = {"rollout": {"max_staleness": 4}}
+REGIMES = {
+    # samples 4 policy versions old (the native engine runs ahead in a worker process), and Paper B's cure: the LR
+    # follows the measured mismatch (docs/lr-schedule.md) — the pick of docs/experiments/demo_recipe.md
+    "stale": Regime(
+        recipe=["train.micro_batch_tokens=4096", "mismatch.decompose_every=5", "rollout.worker_threads=1"],
+        arms={"clean": ("clean: fresh samples (K = 0)", "none", ("-k0", {"rollout": {"max_staleness": 0}})),
+              "broken": ("samples 4 versions old, GRPO", "none", ("-k4", STALE)),
+              "cured": ("samples 4 versions old + mismatch-budget LR", "none",
+                        ("-k4-budget", {**STALE, "train": {"schedule": "mismatch_budget"}}))},
+        title="samples 4 policy versions old", broken="the K = 4 run",
+        cure="the learning rate that follows the measured mismatch (train.schedule=mismatch_budget) cured it",
+        cure_run="the mismatch-budget run", term="staleness"),
+    # int4 rollout weights, and the quantization-aware learner (π is the policy μ samples from)
+    "int4": Regime(
+        recipe=[],
+        arms={"clean": ("clean: fp32 rollout", "none", None), "broken": ("int4 rollout, GRPO", "int4", None),
+              "cured": ("int4 rollout + quantization_aware", "int4", CURE)},
+        title="int4 rollout weights", broken="the int4 run",
+        cure="computing the learner through the rollout's quantizer (train.quantization_aware=true) cured it",
+        cure_run="the quantization-aware run", term="quantization"),
+}
+DEFAULT_REGIME = "stale"
+#: part 2's seeds (each run once per seed, side by side)
+SEEDS = [0, 1]
+#: a collapse: the broken run ends below this fraction of the clean run; a cure: at or above CURED of it
+COLLAPSED, CURED = 0.80, 0.95
+#: the shipped warm starts (package data), one directory per part
+WARM_STARTS = Path(__file__).resolve().parent / "data" / "demo"
+
+
+def fingerprint(cfg: Config, k: int, max_prompts: int | None) -> dict:
+    """What a warm start depends on: the base model, the seed, the task, the SFT and the rollout settings the
+    filter samples with, and the filter's size. A shipped warm start serves a run only when they are equal."""
+    d = cfg.model_dump(mode="json")
+    return {"model": d["model"], "seed": d["seed"], "task": d["task"], "sft": d["sft"],
+            "rollout": {key: d["rollout"][key] for key in ("temperature", "max_new_tokens", "top_p", "top_k")},
+            "k": k, "max_prompts": max_prompts}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def seed_warm_start(cfg: Config, part_dir: Path, name: str, k: int, max_prompts: int | None, log) -> bool:
+    """Put the shipped warm start of part ``name`` under ``part_dir`` (``sft/`` and ``perfectible.jsonl``) when
+    none is there yet and it was made with this configuration; True when the part then has one."""
+    if (part_dir / "sft" / "model" / "config.json").exists() and (part_dir / "perfectible.jsonl").exists():
+        return True
+    src = WARM_STARTS / name
+    manifest_path = src / "manifest.json"
+    if not manifest_path.exists():
+        log(f"[demo] no shipped warm start for part '{name}': making one")
+        return False
+    manifest = json.loads(manifest_path.read_text())
+    if manifest["fingerprint"] != fingerprint(cfg, k, max_prompts):
+        log(f"[demo] the shipped warm start of part '{name}' is the built-in recipe's, and this run changes it "
+            f"(a config or --set touching the model, seed, task, sft, rollout sampling or the filter): making one")
+        return False
+    for rel, digest in manifest["files"].items():
+        if _sha256(src / rel) != digest:
+            raise UnisonError(f"the shipped warm start {src / rel} does not match its manifest (sha256): reinstall "
+                              f"unison, or run `unison demo --from-scratch`")
+    tmp = part_dir / ".warm-start.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "sft").mkdir(parents=True)
+    shutil.copytree(src / "model", tmp / "sft" / "model")
+    shutil.copy(src / "sft.json", tmp / "sft" / "sft.json")
+    shutil.copy(src / "perfectible.jsonl", tmp / "perfectible.jsonl")
+    part_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(part_dir / "sft", ignore_errors=True)
+    (tmp / "sft").rename(part_dir / "sft")
+    (tmp / "perfectible.jsonl").replace(part_dir / "perfectible.jsonl")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[demo] part '{name}': the shipped warm start (SFT eval accuracy {manifest['sft']['eval_accuracy_sampled']:.3f} "
+        f"sampled, made on {manifest['cpu']}; `unison demo --from-scratch` makes its own)")
+    return True
+
+
+def _arm(job: dict) -> list[str]:
+    """One arm of ``unison sanity`` in a process of its own (a worker of the demo's pool)."""
+    from unison.config import config_from_dict
     from unison.sanity import run_sanity
 
+    cfg = config_from_dict(job["cfg"])
+    variant = (job["variant"][0], job["variant"][1]) if job["variant"] else None
+    prefix = job["label"]
+    _, _, dirs = run_sanity(cfg, Path(job["out"]), job["precisions"], ["grpo"], k=job["k"],
+                            max_prompts=job["max_prompts"], seeds=job["seeds"], quantizations=job["quantizations"],
+                            variant=variant, report=False,
+                            log=lambda m: print(f"[{prefix}] {m}" if m.startswith("[sanity] arm") else m,
+                                                file=sys.stderr, flush=True))
+    return [str(d) for d in dirs]
+
+
+def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions: list[str],
+             log=lambda m: print(m, file=sys.stderr, flush=True), regime: str = DEFAULT_REGIME, k: int = 8,
+             max_prompts: int | None = 32, collapse_prompts: int | None = 64, seeds: list[int] | None = None,
+             from_scratch: bool = False, workers: int = 2) -> dict:
+    """Run the demo's two parts (``out/precision``, ``out/collapse``), ``workers`` runs at a time, and write
+    ``out/report.md``."""
+    from unison.report import summarize
+    from unison.sanity import warm_start
+
+    seeds = list(SEEDS if seeds is None else seeds)
     t0 = time.perf_counter()
-    log(f"[demo] part 1/2: the same GRPO run once per precision ({', '.join(precisions)})")
-    _, _, prec_dirs = run_sanity(precision_cfg, out / "precision", precisions, ["grpo"], log=log, report=False, k=k,
-                                 max_prompts=max_prompts)
-    t1 = time.perf_counter()
-    log(f"[demo] part 2/2: a run that collapses ({quantization} rollout weights) and the same run cured "
-        f"(a quantization-aware learner), beside the clean run")
-    part2 = out / "collapse"
-    kw = dict(log=log, report=False, k=k, max_prompts=collapse_prompts)
-    _, _, clean = run_sanity(collapse_cfg, part2, ["fp32"], ["grpo"], **kw)
-    _, _, broken = run_sanity(collapse_cfg, part2, ["fp32"], ["grpo"], quantizations=[quantization], **kw)
-    _, _, cured = run_sanity(collapse_cfg, part2, ["fp32"], ["grpo"], quantizations=[quantization], variant=CURE, **kw)
-    trio = [clean[0], broken[0], cured[0]]
-    labels = ["clean: fp32 rollout", f"{quantization} rollout, GRPO", f"{quantization} rollout + quantization_aware"]
-    headline = _headline(trio, quantization)
-    wall = {"part 1": t1 - t0, "part 2": time.perf_counter() - t1}
-    report = write_demo_report(out, prec_dirs, trio, labels, headline, precision_cfg, collapse_cfg, wall)
-    arms = [summarize(d) for d in prec_dirs + trio]
-    for s, lab in zip(arms[len(prec_dirs):], labels):  # part 2's fp32 run is not part 1's: say which is which
+    parts = {"precision": (precision_cfg, max_prompts), "collapse": (collapse_cfg, collapse_prompts)}
+    for name, (cfg, mp_) in parts.items():  # the warm starts first: every run of a part shares its own
+        if not from_scratch:
+            seed_warm_start(cfg, out / name, name, k, mp_, log)
+        log(f"[demo] part '{name}': warm start")
+        warm_start(cfg, out / name, k=k, max_prompts=mp_, log=log)
+    t_warm = time.perf_counter() - t0
+    common = dict(k=k)
+    jobs, part2 = [], []
+    reg = REGIMES[regime]
+    for kind, (_, quant, variant) in reg.arms.items():
+        for s in seeds:
+            job = dict(common, cfg=collapse_cfg.model_dump(mode="json"), out=str(out / "collapse"),
+                       precisions=["fp32"], seeds=[s], quantizations=[quant], variant=variant,
+                       max_prompts=collapse_prompts, label=f"{kind} s{s}")
+            jobs.append(job)
+            part2.append((kind, s, job))
+    for p in precisions:
+        jobs.append(dict(common, cfg=precision_cfg.model_dump(mode="json"), out=str(out / "precision"),
+                         precisions=[p], seeds=None, quantizations=["none"], variant=None,
+                         max_prompts=max_prompts, label=f"{p}"))
+    log(f"[demo] {len(jobs)} runs, {workers} at a time: part 2 ({len(part2)}: "
+        f"{', '.join(lab for lab, _, _ in reg.arms.values())}; seeds {', '.join(map(str, seeds))}), then part 1 "
+        f"({', '.join(precisions)})")
+    results = _run_all(jobs, workers)
+    wall_runs = time.perf_counter() - t0 - t_warm
+    dirs = {id(j): [Path(d) for d in r] for j, r in zip(jobs, results)}
+    prec_dirs = [d for j in jobs[len(part2):] for d in dirs[id(j)]]
+    runs = {(kind, s): dirs[id(job)][0] for kind, s, job in part2}
+    per_seed = [judge_seed(s, *(_rows(runs[(kind, s)]) for kind in ("clean", "broken", "cured")), term=reg.term)
+                for s in seeds]
+    headline = headline_text(per_seed, reg)
+    trio = [(f"{reg.arms[kind][0]}, seed {s}", runs[(kind, s)]) for kind in ("clean", "broken", "cured")
+            for s in seeds]
+    wall = {"warm starts": t_warm, "runs": wall_runs}
+    report = write_demo_report(out, prec_dirs, trio, per_seed, headline, precision_cfg, collapse_cfg, wall,
+                               reg, len(seeds))
+    arms = [summarize(d) for d in prec_dirs + [d for _, d in trio]]
+    for s, (lab, _) in zip(arms[len(prec_dirs):], trio):  # part 2's fp32 runs are not part 1's: say which is which
         s["arm"] = lab
-    return {"report": report, "headline": headline, "arms": arms, "wall_s": time.perf_counter() - t0}
+    return {"report": report, "headline": headline, "arms": arms, "per_seed": per_seed,
+            "wall_s": time.perf_counter() - t0}
+
+
+def _run_all(jobs: list[dict], workers: int) -> list[list[str]]:
+    """Every job in a pool of ``workers`` processes (spawned: a fresh interpreter each, one thread each), in
+    order; one process when ``workers`` is 1. A failure ends the demo with the failing run's error."""
+    if workers <= 1:
+        return [_arm(j) for j in jobs]
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_arm, j) for j in jobs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    from unison.data_io import read_metrics
+
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def _tail(rows, key="reward/mean", n=10):
@@ -72,67 +235,123 @@ def _tail(rows, key="reward/mean", n=10):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _headline(trio, quantization) -> str:
-    from unison.data_io import read_metrics
-
-    rows = [read_metrics(d / "metrics.jsonl") for d in trio]
-    clean, broken, cured = (_tail(r) for r in rows)
-    start = _tail(rows[1][:10])
-    ledger = [r for r in rows[1] if "ledger/quantization_k3" in r]
-    share = ""
+def judge_seed(seed: int, clean_rows, broken_rows, cured_rows, term: str = "quantization") -> dict:
+    """One seed of part 2: each run's training accuracy over its last 10 steps (the broken run's first 10 too),
+    whether the broken run collapsed (ended below COLLAPSED × the clean run) and whether the cure held (ended at
+    CURED × the clean run or above)."""
+    clean, broken, cured = _tail(clean_rows), _tail(broken_rows), _tail(cured_rows)
+    ledger = [r for r in broken_rows if f"ledger/{term}_k3" in r]
+    share = None
     if ledger:
         last = ledger[-1]
         terms = [k for k in last if k.startswith("ledger/") and k.endswith("_k3") and k != "ledger/total_k3"]
         tot = sum(max(last[k], 0.0) for k in terms) or 1.0
-        share = f"; the ledger put {100 * max(last['ledger/quantization_k3'], 0.0) / tot:.0f}% of its mismatch on quantization"
-    return (f"{quantization} rollout weights: GRPO went from {start:.2f} to {broken:.2f} training accuracy (last 10 steps)"
-            f"{share}; the same run with train.quantization_aware=true reached {cured:.2f}, the clean run {clean:.2f}: "
-            f"{_verdict(start, broken, cured, clean, quantization)}")
+        share = max(last[f"ledger/{term}_k3"], 0.0) / tot
+    return {"seed": seed, "clean": clean, "broken": broken, "cured": cured, "broken_start": _tail(broken_rows[:10]),
+            "collapsed": broken < COLLAPSED * clean, "cure_held": cured >= CURED * clean,
+            "cure_collapsed": cured < COLLAPSED * clean, "term_share": share}
 
 
-def _verdict(start: float, broken: float, cured: float, clean: float, quantization: str = "int4") -> str:
-    """What part 2 showed. A collapse is a run that fell (ends below where it started) and ends under 95% of the
-    clean run; only then can the cure be judged: it cured it if it ends at 95% of the clean run or above."""
-    if not (broken < start and broken < 0.95 * clean):
-        how = "rose" if broken >= start else "ended within 5% of the clean run"
-        return (f"here the {quantization} run did not collapse (it {how}; the collapse is one seed's path, "
-                f"docs/experiments/cures.md has 3 seeds), so this run cannot show the cure")
-    cure = "cured it" if cured >= 0.95 * clean else "did not cure it"
-    return f"computing the learner through the rollout's quantizer {cure}"
+def verdict(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
+    """What part 2 showed over its seeds. A cure is claimed only when the broken run collapsed and the cure held on
+    every seed; otherwise the line says, seed by seed, what was seen."""
+    n = len(per_seed)
+    collapsed = [p for p in per_seed if p["collapsed"]]
+    held = [p for p in collapsed if p["cure_held"]]
+    both = [p for p in collapsed if p["cure_collapsed"]]
+
+    def seeds(ps):
+        return ", ".join(str(p["seed"]) for p in ps)
+
+    if not collapsed:
+        return (f"{regime.broken} did not collapse on any of the {n} seeds (it ended at {COLLAPSED:.0%} of the "
+                f"clean run or above), so this run cannot show the cure; docs/experiments/demo_recipe.md has 6 seeds")
+    if len(collapsed) == n and len(held) == n:
+        return (f"on every seed ({n}/{n}) {regime.broken} collapsed, and {regime.cure} (≥ {CURED:.0%} of the "
+                f"clean run)")
+    parts = [f"{regime.broken} collapsed on {len(collapsed)}/{n} seeds ({seeds(collapsed)})"]
+    if held:
+        parts.append(f"{regime.cure_run} held on {len(held)} of them ({seeds(held)})")
+    missed = [p for p in collapsed if not p["cure_held"] and not p["cure_collapsed"]]
+    if missed:
+        parts.append(f"ended below {CURED:.0%} of the clean run on seed{'s' if len(missed) > 1 else ''} "
+                     f"{seeds(missed)}")
+    if both:
+        parts.append(f"collapsed as well on seed{'s' if len(both) > 1 else ''} {seeds(both)}")
+    return "; ".join(parts) + ": no cure is claimed (it must hold on every seed)"
 
 
-def write_demo_report(out: Path, prec_dirs, trio, labels, headline: str, cfg1: Config, cfg2: Config,
-                      wall: dict) -> Path:
+def headline_text(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
+    def mean(key):
+        xs = [p[key] for p in per_seed if math.isfinite(p[key])]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    each = "; ".join(f"seed {p['seed']}: {p['broken_start']:.2f} → {p['broken']:.2f}, cured {p['cured']:.2f}, "
+                     f"clean {p['clean']:.2f}" for p in per_seed)
+    shares = [p["term_share"] for p in per_seed if p["term_share"] is not None]
+    share = (f"; the ledger put {100 * sum(shares) / len(shares):.0f}% of the broken runs' mismatch on {regime.term}"
+             if shares else "")
+    n = len(per_seed)
+    return (f"{regime.title}, GRPO training accuracy (last 10 steps), mean of {n} seed{'s' if n > 1 else ''}: "
+            f"{mean('broken_start'):.2f} → {mean('broken'):.2f}; {regime.cure_run} {mean('cured'):.2f}, the clean run "
+            f"{mean('clean'):.2f} ({each}){share}: {verdict(per_seed, regime)}")
+
+
+def seed_table(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> list[str]:
+    """Markdown: part 2 per seed and the mean."""
+    broken, cured = regime.arms["broken"][0], regime.arms["cured"][0]
+    out = [f"| seed | clean | {broken} (first 10 → last 10) | broken / clean | {cured} | cured / clean | outcome |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p in per_seed:
+        outcome = ("no collapse" if not p["collapsed"] else "cured" if p["cure_held"]
+                   else "both collapsed" if p["cure_collapsed"] else "not cured")
+        out.append(f"| {p['seed']} | {p['clean']:.3f} | {p['broken_start']:.3f} → {p['broken']:.3f} | "
+                   f"{p['broken'] / p['clean']:.0%} | {p['cured']:.3f} | {p['cured'] / p['clean']:.0%} | {outcome} |")
+    n = len(per_seed)
+    m = {k: sum(p[k] for p in per_seed) / n for k in ("clean", "broken", "cured", "broken_start")}
+    out.append(f"| mean | {m['clean']:.3f} | {m['broken_start']:.3f} → {m['broken']:.3f} | {m['broken'] / m['clean']:.0%} "
+               f"| {m['cured']:.3f} | {m['cured'] / m['clean']:.0%} | |")
+    return out
+
+
+def write_demo_report(out: Path, prec_dirs, runs, per_seed, headline: str, cfg1: Config, cfg2: Config,
+                      wall: dict, regime: Regime = REGIMES["int4"], n_seeds: int = 1) -> Path:
+    """``out/report.md``: part 1's table, part 2 per run and per seed, the curves, the ledger, the headline.
+    ``runs``: part 2's (label, run directory), kind by kind, ``n_seeds`` of each."""
     from unison.data_io import atomic_write_text, read_metrics
     from unison.plots import demo_plot, ledger_plot
     from unison.report import markdown_table, summarize
 
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    series = [(lab, read_metrics(d / "metrics.jsonl")) for lab, d in zip(labels, trio)]
-    curves, led = demo_plot(series, plots), ledger_plot(series, plots)
+    series = [(lab, read_metrics(d / "metrics.jsonl")) for lab, d in runs]
+    curves, led = demo_plot(series, plots, per_color=n_seeds), ledger_plot(series, plots)
     prec = [summarize(d) for d in prec_dirs]
-    cure = [summarize(d) for d in trio]
-    for s, lab in zip(cure, labels):
+    cure = [summarize(d) for _, d in runs]
+    for s, (lab, _) in zip(cure, runs):
         s["arm"] = lab
 
-    def recipe(c):
+    def recipe(c, seeds=None):
         return (f"{c.task.name}, {c.train.prompts_per_step} prompts × {c.rollout.n} samples per step, "
                 f"{c.train.mini_batches} mini-batch{'es' if c.train.mini_batches > 1 else ''}, lr {c.train.lr}, "
-                f"{c.train.steps} steps, seed {c.seed}")
+                f"{c.train.steps} steps, " + (f"seeds {seeds}" if seeds else f"seed {c.seed}"))
 
+    seeds = ", ".join(str(p["seed"]) for p in per_seed)
     lines = ["# unison demo", "", headline + ".", "",
-             f"Wall time: part 1 {wall['part 1'] / 60:.1f} min, part 2 {wall['part 2'] / 60:.1f} min (SFT warm starts "
-             f"and perfectible sets included; rerunning reuses them).", "",
+             f"Wall time: warm starts {wall['warm starts'] / 60:.1f} min (shipped ones are copied; "
+             f"`--from-scratch` makes them), the runs {wall['runs'] / 60:.1f} min (two at a time).", "",
              f"## 1. Precision: the mismatch each precision causes ({recipe(cfg1)})", "", markdown_table(prec), "",
-             f"## 2. A run that collapses, and the same run cured ({recipe(cfg2)})", "", markdown_table(cure), "",
-             f"![curves]({curves.relative_to(out)})", ""]
+             f"## 2. A run that collapses, and the same run cured: {regime.title} ({recipe(cfg2, seeds)})", "",
+             f"Each seed's training accuracy over its last 10 steps; a collapse ends below {COLLAPSED:.0%} of the "
+             f"clean run, a cure at {CURED:.0%} of it or above. Seeds stand in for CPUs: another CPU changes the "
+             f"sampled path as another seed does.", "", *seed_table(per_seed, regime), "",
+             markdown_table(cure), "", f"![curves]({curves.relative_to(out)})", ""]
     if led:
         lines += ["Where each run's mismatch came from (the mismatch ledger, docs/ledger.md): the mean k3 of each term "
                   "over the run's ledger steps, and its share of their sum:", "",
-                  *ledger_table([(s["arm"], d) for s, d in zip(prec + cure, [*prec_dirs, *trio])]), "",
-                  f"![ledger]({led.relative_to(out)})", ""]
-    lines += ["Runs: " + ", ".join(f"`{d}`" for d in [*prec_dirs, *trio]), ""]
+                  *ledger_table([(s["arm"], d) for s, d in zip(prec + cure, [*prec_dirs, *(d for _, d in runs)])]),
+                  "", f"![ledger]({led.relative_to(out)})", ""]
+    lines += ["Runs: " + ", ".join(f"`{d}`" for d in [*prec_dirs, *(d for _, d in runs)]), ""]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return out / "report.md"
 

@@ -153,21 +153,24 @@ def ledger_plot(series: list[tuple[str, list[dict]]], out_dir: Path) -> Path | N
     return _save(fig, out_dir / "ledger.png")
 
 
-def demo_plot(series: list[tuple[str, list[dict]]], out_dir: Path) -> Path:
+def demo_plot(series: list[tuple[str, list[dict]]], out_dir: Path, per_color: int = 1) -> Path:
     """``unison demo``: the training accuracy of the clean, the collapsing and the cured run in one plot (5-step
-    mean), and their token k3 beside it."""
+    mean), and their token k3 beside it. ``per_color``: consecutive series sharing a colour (one run's seeds,
+    told apart by the line style)."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for i, (label, rows) in enumerate(series):
+    styles = ["-", "--", ":", "-."]
+    for j, (label, rows) in enumerate(series):
+        i, ls = j // per_color, styles[j % per_color % len(styles)]
         pts = [(r["step"], r["reward/mean"]) for r in rows if isinstance(r.get("reward/mean"), (int, float))]
         if not pts:
             continue
         steps, vals = zip(*pts)
         smooth = [float(np.mean(vals[max(0, j - 4):j + 1])) for j in range(len(vals))]
-        ax.plot(steps, vals, color=f"C{i}", alpha=0.25, lw=0.8)
-        ax.plot(steps, smooth, color=f"C{i}", lw=2, label=label)
+        ax.plot(steps, vals, color=f"C{i}", alpha=0.25, lw=0.8, ls=ls)
+        ax.plot(steps, smooth, color=f"C{i}", lw=2, label=label, ls=ls)
         k3 = [(r["step"], r["mismatch/k3"]) for r in rows if isinstance(r.get("mismatch/k3"), (int, float))]
         if k3:
-            ax2.plot(*zip(*k3), color=f"C{i}", lw=1.3, label=label)
+            ax2.plot(*zip(*k3), color=f"C{i}", lw=1.3, label=label, ls=ls)
     ax.set_xlabel("step")
     ax.set_ylabel("training accuracy (5-step mean)")
     ax.set_title("the same GRPO run: clean, int4 rollout, int4 + quantization-aware learner", fontsize=10)

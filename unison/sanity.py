@@ -49,9 +49,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     {"train": {"quantization_aware": True}})``); ``report`` False leaves the comparison report to the
     caller (``unison demo`` writes one over several calls). Returns (summaries, report path or None, arm dirs)."""
     from unison.algorithms.presets import PRESETS
-    from unison.filter import run_filter
     from unison.report import summarize, write_report
-    from unison.sft import run_sft
     from unison.trainer import Trainer
 
     from unison.quant import check_format_available, parse_quantization
@@ -74,27 +72,7 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     _preflight(cfg, algorithms)  # every input checked before --out is created
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
-    stage_s: dict[str, float] = {}  # SFT and filter, timed apart from the RL steps
-
-    sft_dir = out / "sft"
-    if (sft_dir / "model" / "config.json").exists():
-        log(f"[sanity] 1/4 SFT: reusing {sft_dir / 'model'}")
-    else:
-        t0 = time.perf_counter()
-        log(f"[sanity] 1/4 SFT warm start ({plural(cfg.sft.steps, 'step')}) on {cfg.task.name}")
-        s = run_sft(cfg, sft_dir, log=log)
-        log(f"[sanity]     SFT done: train accuracy {s['train_accuracy_sampled']:.3f} sampled")
-        stage_s["SFT"] = time.perf_counter() - t0
-    rl_base = cfg.model_copy(update={"model": str(sft_dir / "model")})
-
-    perf = out / "perfectible.jsonl"
-    if perf.exists():
-        log(f"[sanity] 2/4 filter: reusing {perf}")
-    else:
-        log(f"[sanity] 2/4 filter: pass rate over k={k} samples per prompt")
-        t0 = time.perf_counter()
-        run_filter(rl_base, perf, k=k, band=band, max_prompts=max_prompts, log=log)
-        stage_s["filter"] = time.perf_counter() - t0
+    rl_base, perf, stage_s = warm_start(cfg, out, k=k, band=band, max_prompts=max_prompts, log=log)
 
     arms = [(p, q, a, s) for a in algorithms for q in quantizations for p in precisions
             for s in (seeds or [cfg.seed])]
@@ -138,6 +116,40 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     path = write_report(arm_dirs, out, title="unison sanity test",
                         notes=_notes(cfg, precisions, algorithms, perf, quantizations))
     return [summarize(d) for d in arm_dirs], path, arm_dirs
+
+
+def warm_start(cfg: Config, out: Path, k: int = 8, band=None, max_prompts: int | None = 32,
+               log=lambda m: print(m, file=sys.stderr, flush=True)):
+    """The shared start of every arm under ``out``: the SFT warm start (``out/sft``) and the perfectible set
+    (``out/perfectible.jsonl``), each made unless already there. Returns (the RL config on the SFT model, the
+    set's path, seconds per stage made)."""
+    from unison.filter import run_filter
+    from unison.runlog import plural
+    from unison.sft import run_sft
+
+    out.mkdir(parents=True, exist_ok=True)
+    stage_s: dict[str, float] = {}  # SFT and filter, timed apart from the RL steps
+
+    sft_dir = out / "sft"
+    if (sft_dir / "model" / "config.json").exists():
+        log(f"[sanity] 1/4 SFT: reusing {sft_dir / 'model'}")
+    else:
+        t0 = time.perf_counter()
+        log(f"[sanity] 1/4 SFT warm start ({plural(cfg.sft.steps, 'step')}) on {cfg.task.name}")
+        s = run_sft(cfg, sft_dir, log=log)
+        log(f"[sanity]     SFT done: train accuracy {s['train_accuracy_sampled']:.3f} sampled")
+        stage_s["SFT"] = time.perf_counter() - t0
+    rl_base = cfg.model_copy(update={"model": str(sft_dir / "model")})
+
+    perf = out / "perfectible.jsonl"
+    if perf.exists():
+        log(f"[sanity] 2/4 filter: reusing {perf}")
+    else:
+        log(f"[sanity] 2/4 filter: pass rate over k={k} samples per prompt")
+        t0 = time.perf_counter()
+        run_filter(rl_base, perf, k=k, band=band, max_prompts=max_prompts, log=log)
+        stage_s["filter"] = time.perf_counter() - t0
+    return rl_base, perf, stage_s
 
 
 def _finished(run_dir: Path, steps: int) -> bool:

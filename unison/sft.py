@@ -67,6 +67,19 @@ def evaluate(engine, task, reward, items, tokenizer, temperature: float, max_new
     return sum(rates) / len(rates)
 
 
+def sft_eval(cfg, engine, task=None, reward=None, tokenizer=None, train: bool = True) -> dict:
+    """A warm start's accuracy: on the task's eval set sampled (the rollout temperature, the config's seed) and
+    greedy, and (``train``) on as many training prompts sampled (the numbers ``sft.json`` holds)."""
+    task = task if task is not None else make_task(cfg.task)
+    reward = reward if reward is not None else make_reward(task, cfg.task)
+    tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+    mnt, temp = cfg.rollout.max_new_tokens, cfg.rollout.temperature
+    return {"eval_accuracy_sampled": evaluate(engine, task, reward, task.eval, tokenizer, temp, mnt, cfg.seed),
+            "eval_accuracy_greedy": evaluate(engine, task, reward, task.eval, tokenizer, 0.0, mnt),
+            **({"train_accuracy_sampled": evaluate(engine, task, reward, task.train[:len(task.eval) or 200],
+                                                   tokenizer, temp, mnt, cfg.seed)} if train else {})}
+
+
 def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model_dir(cfg.model)
@@ -108,13 +121,7 @@ def run_sft(cfg, out_dir: Path, log=lambda m: print(m, file=sys.stderr, flush=Tr
     # the warm start is judged with the built-in sampler whatever the RL engine (no vLLM start-up)
     engine = make_engine("native", model_dir, torch.float32, device=cfg.device)
     engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
-    mnt = cfg.rollout.max_new_tokens
-    acc_t = evaluate(engine, task, reward, task.eval, tokenizer, cfg.rollout.temperature, mnt, cfg.seed)
-    acc_g = evaluate(engine, task, reward, task.eval, tokenizer, 0.0, mnt)
-    acc_train = evaluate(engine, task, reward, task.train[:len(task.eval) or 200], tokenizer,
-                         cfg.rollout.temperature, mnt, cfg.seed)
-    summary = {"final_loss": float(loss.item()), "eval_accuracy_sampled": acc_t,
-               "eval_accuracy_greedy": acc_g, "train_accuracy_sampled": acc_train,
+    summary = {"final_loss": float(loss.item()), **sft_eval(cfg, engine, task, reward, tokenizer),
                "temperature": cfg.rollout.temperature, "steps": s.steps,
                "wall_s": time.perf_counter() - t0}
     save_model_dir(model, tokenizer, out_dir / "model")
