@@ -35,7 +35,7 @@ from unison.errors import UnisonError
 #: part 2: the cure, as an arm variant (name suffix, config overrides)
 CURE = ("-qat", {"train": {"quantization_aware": True}})
 #: part 1's length: the arithmetic sanity test reaches 95% by step ≈ 20 on the CPUs measured
-PRECISION_STEPS = ["train.steps=40"]
+PRECISION_STEPS = ["train.steps=30"]
 #: part 2's base recipe (experiments/demo_recipe, docs/experiments/demo_recipe.md: 6 seeds, every candidate): chained
 #: sums with the working written out (69-token answers), 16 prompts × 8, 4 mini-batches per step, lr 1e-4, 30 steps
 COLLAPSE_RECIPE = ["task.name=scratchpad", "task.operands=7", "task.digits=2", "task.style=full",
@@ -175,7 +175,8 @@ def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions:
     common = dict(k=k)
     jobs, part2 = [], []
     reg = REGIMES[regime]
-    for kind, (_, quant, variant) in reg.arms.items():
+    for kind in ("cured", "broken", "clean"):  # the longest first: two workers finish together
+        _, quant, variant = reg.arms[kind]
         for s in seeds:
             job = dict(common, cfg=collapse_cfg.model_dump(mode="json"), out=str(out / "collapse"),
                        precisions=["fp32"], seeds=[s], quantizations=[quant], variant=variant,
@@ -277,7 +278,8 @@ def verdict(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
         parts.append(f"ended below {CURED:.0%} of the clean run on seed{'s' if len(missed) > 1 else ''} "
                      f"{seeds(missed)}")
     if both:
-        parts.append(f"collapsed as well on seed{'s' if len(both) > 1 else ''} {seeds(both)}")
+        parts.append(f"{regime.cure_run} ended below {COLLAPSED:.0%} of the clean run as well on "
+                     f"seed{'s' if len(both) > 1 else ''} {seeds(both)}")
     return "; ".join(parts) + ": no cure is claimed (it must hold on every seed)"
 
 
