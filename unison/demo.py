@@ -306,7 +306,7 @@ def seed_table(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> list[s
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for p in per_seed:
         outcome = ("no collapse" if not p["collapsed"] else "cured" if p["cure_held"]
-                   else "both collapsed" if p["cure_collapsed"] else "not cured")
+                   else f"not cured (< {COLLAPSED:.0%})" if p["cure_collapsed"] else f"not cured (< {CURED:.0%})")
         out.append(f"| {p['seed']} | {p['clean']:.3f} | {p['broken_start']:.3f} → {p['broken']:.3f} | "
                    f"{p['broken'] / p['clean']:.0%} | {p['cured']:.3f} | {p['cured'] / p['clean']:.0%} | {outcome} |")
     n = len(per_seed)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from unison.data_io import read_metrics  # noqa: E402
 
 WIN, BROKEN, CURED = 10, 0.80, 0.95
+REPORT = "experiments/demo_recipe.md"
 ARM = re.compile(r"^(clean|int4|qat)-lr([0-9.e-]+)(?:-g(\d+))?-sft(\d+)$")
 #: run_stale.sh's arms: K = 0 clean, K = 4 naive (broken), K = 4 + mismatch-budget LR (cure)
 STALE_ARM = re.compile(r"^stale-(clean|broken|cure)-k\w+-lr([0-9.e-]+)-sft(\d+)$")
@@ -161,7 +162,7 @@ def main(root: Path, docs: Path) -> Path:
         fig.savefig(plots / "curves.png", dpi=110)
         plt.close(fig)
         lines += ["", "![every seed of the pick](demo_recipe/curves.png)", ""]
-    out = docs / "experiments" / "demo_recipe.md"
+    out = docs / REPORT
     out.write_text("\n".join(lines) + "\n")
     return out
 
