@@ -247,11 +247,27 @@ def test_a_resumed_server_run_keeps_its_versions(tmp_path, rewards, tiny_dir):
     assert all(r["staleness/dropped"] == 0 and r["staleness/max"] <= 1 for r in rows)
 
 
-def test_server_drop_policy_syncs_in_flight_and_drops_what_is_too_stale(tmp_path, rewards, tiny_dir):
-    # a reload slower than a step: the engine samples with weights older than the bound allows
-    with _stub(tiny_dir, reload_delay=1.5) as stub:
+def test_server_drop_policy_syncs_in_flight_and_drops_what_is_too_stale(tmp_path, rewards, tiny_dir, monkeypatch):
+    # a weight sync that reaches the server only after the learner has moved on: the engine samples with weights
+    # older than the bound allows. Held on an event the learner's second step sets — not on a delay that must be
+    # slower than a step (that failed on a busy machine: issue 41)
+    import threading
+
+    from unison.rollout.vllm_server import VLLMServerEngine
+
+    released = threading.Event()
+    apply = VLLMServerEngine.apply_sync
+
+    def held(self, prepared, in_flight=False, version=None):
+        if version:  # version 0 reaches the server before the first batch; later ones wait for step 2
+            assert released.wait(timeout=120), "the learner never reached step 2"
+        return apply(self, prepared, in_flight=in_flight, version=version)
+
+    monkeypatch.setattr(VLLMServerEngine, "apply_sync", held)
+    with _stub(tiny_dir) as stub:
         t = Trainer(_server_cfg(stub.url, "rollout.stale_policy=drop", "train.steps=4"), tmp_path / "r",
                     log=lambda m: None)
+        t.on_step = lambda m: m["step"] >= 2 and released.set()
         t.fit()
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert "keep" in stub.pause_modes  # weights reached the server with requests in flight
