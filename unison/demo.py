@@ -106,8 +106,8 @@ def _sha256(path: Path) -> str:
 def seed_warm_start(cfg: Config, part_dir: Path, name: str, k: int, max_prompts: int | None, log) -> bool:
     """Put the shipped warm start of part ``name`` under ``part_dir`` (``sft/`` and ``perfectible.jsonl``) when
     none is there yet and it was made with this configuration; True when the part then has one."""
-    if (part_dir / "sft" / "model" / "config.json").exists() and (part_dir / "perfectible.jsonl").exists():
-        return True
+    if (part_dir / "sft" / "model" / "config.json").exists():  # a warm start of its own (made, or copied before)
+        return (part_dir / "perfectible.jsonl").exists()
     src = WARM_STARTS / name
     manifest_path = src / "manifest.json"
     if not manifest_path.exists():
@@ -219,10 +219,12 @@ def _run_all(jobs: list[dict], workers: int) -> list[list[str]]:
         futures = [pool.submit(_arm, j) for j in jobs]
         try:
             return [f.result() for f in futures]
-        except BaseException:
+        except cf.process.BrokenProcessPool as e:
+            raise UnisonError(f"a demo run's process died ({e}): what finished is kept; rerun with the same --out "
+                              f"to go on") from None
+        finally:
             for f in futures:
                 f.cancel()
-            raise
 
 
 def _rows(run_dir: Path) -> list[dict]:
