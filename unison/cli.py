@@ -319,15 +319,16 @@ def cmd_sanity(args) -> int:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="what unison is for, in minutes: the mismatch each precision causes, then a run "
-                                    "that collapses (int4 rollout) and the same run cured (make demo)",
+                                    "the mismatch breaks and the same run with its cure, on two seeds (make demo)",
                        description="Part 1: Paper A's sanity test, one GRPO run per precision on 2-digit addition (SFT warm "
-                                   "start, a perfectible set, 40 steps). Part 2: on chained sums with the working written "
-                                   "out (69-token answers), the clean fp32 run, the same run with int4 rollout weights, "
-                                   "and that run with a quantization-aware learner (30 steps each, on two seeds). Runs go "
-                                   "two at a time; both parts start from warm starts shipped with unison "
-                                   "(--from-scratch makes them). One report with both tables, part 2 per seed, the "
-                                   "curves and each run's mismatch ledger; a cure is claimed only when it held on every "
-                                   "seed. Rerunning with the same --out reuses what is finished.")
+                                   "start, a perfectible set, 30 steps). Part 2: on chained sums with the working written "
+                                   "out (69-token answers), the clean run, the same run broken by the mismatch and that "
+                                   "run with its cure (30 steps each, on two seeds): by default samples 4 policy versions "
+                                   "old and the mismatch-budget LR; --regime int4: int4 rollout weights and the "
+                                   "quantization-aware learner. Runs go two at a time; both parts start from warm starts "
+                                   "shipped with unison (--from-scratch makes them). One report with both tables, part 2 "
+                                   "per seed, the curves and each run's mismatch ledger; a cure is claimed only when it "
+                                   "held on every seed. Rerunning with the same --out reuses what is finished.")
     p.add_argument("config", nargs="?", default=None,
                    help="YAML overriding the built-in recipe (unison/sanity.py DEFAULTS)")
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")

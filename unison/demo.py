@@ -2,17 +2,18 @@
 
 1. Paper A's sanity test, shortened: the same GRPO run once per precision (fp16, bf16, fp32) — the
    mismatch each precision causes (token k3), and that at this scale none of them decides the outcome.
-2. A run that collapses and the same run cured, **on two seeds**: int4 rollout weights (the rollout engine
-   samples with 4-bit weights, the learner trains fp32 masters, as peers do for speed) make GRPO's training
-   accuracy fall; the same run with ``train.quantization_aware: true`` (the learner computes through the
-   rollout's quantizer: π is the policy μ samples from) does not. The clean fp32 run is beside them.
+2. A run the mismatch breaks, and the same run with its cure, **on two seeds** (``REGIMES``): by default samples
+   4 policy versions old (``rollout.max_staleness: 4``) with the LR that follows the measured mismatch
+   (``train.schedule: mismatch_budget``) as the cure; ``--regime int4``: int4 rollout weights with the
+   quantization-aware learner (``train.quantization_aware: true``: π is the policy μ samples from). The clean run
+   is beside them. docs/experiments/demo_recipe.md: neither cure held on 6 seeds within 30 steps.
 3. One report: both tables, part 2 per seed and its mean, the curves, each run's mismatch ledger, and one
    line saying what was seen on every seed — a cure is claimed only when it held on all of them.
 
-The runs go two at a time, one process each (the tiny model computes on one thread: two processes on two
-cores cost no extra wall time). Both parts start from warm starts shipped with unison (``unison/data/demo``:
+The runs go two at a time, one process each (the tiny model computes on one thread; two side by side run 1.09×
+slower than alone at K = 0, 1.29× at K = 4 — each is a learner and an engine worker: benchmarks/demo_side_by_side.py). Both parts start from warm starts shipped with unison (``unison/data/demo``:
 the SFT model and the perfectible set ``unison sanity`` would make first, made by
-``scripts/make_demo_warm_starts.sh``); ``--from-scratch`` makes them instead. Everything is built on
+``scripts/make_demo_warm_starts.py``); ``--from-scratch`` makes them instead. Everything is built on
 ``unison sanity`` (one directory per arm); rerunning with the same ``--out`` reuses what is finished.
 """
 
