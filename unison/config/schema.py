@@ -498,22 +498,18 @@ class Config(_Section):
     mismatch: MismatchConfig = MismatchConfig()
     log: LogConfig = LogConfig()
 
-    @field_validator("precision", "rollout_precision", "learner_precision")
+    @field_validator("precision", "rollout_precision", "learner_precision", "engine")
     @classmethod
-    def _precision(cls, v):
-        return None if v is None else parse_precision(v)
+    def _named(cls, v, info):
+        """A named value through its rule (unison/config/values.py); a precision override may be unset."""
+        return None if v is None else _RULES[info.field_name](v)
 
-    @field_validator("threads", mode="before")
+    @field_validator("threads", "gemm", mode="before")
     @classmethod
-    def _threads(cls, v):
-        return parse_threads(v)
+    def _named_raw(cls, v, info):
+        """``threads`` and ``gemm`` read the raw value (an int or a string)."""
+        return _RULES[info.field_name](v)
 
-    @field_validator("gemm", mode="before")
-    @classmethod
-    def _gemm(cls, v):
-        return parse_gemm(v)
 
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, v):
-        return parse_engine(v)
+_RULES = {"precision": parse_precision, "rollout_precision": parse_precision, "learner_precision": parse_precision,
+          "engine": parse_engine, "threads": parse_threads, "gemm": parse_gemm}
