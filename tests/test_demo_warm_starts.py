@@ -82,3 +82,25 @@ def test_from_scratch_reproduces_the_shipped_warm_start_on_the_cpu_that_made_it(
     made = json.loads((tmp_path / "sft" / "sft.json").read_text())
     for key in ("eval_accuracy_sampled", "eval_accuracy_greedy"):
         assert abs(made[key] - manifest["sft"][key]) <= 0.02, (key, made[key], manifest["sft"][key])
+
+
+def test_from_scratch_replaces_a_shipped_copy_and_keeps_a_made_one(tmp_path):
+    from unison.demo import SHIPPED, drop_shipped
+
+    cfg = sanity_config(None, PRECISION_STEPS)
+    assert seed_warm_start(cfg, tmp_path / "p", "precision", 8, 32, lambda m: None)
+    assert (tmp_path / "p" / "sft" / SHIPPED).exists()
+    drop_shipped(tmp_path / "p", lambda m: None)  # an earlier run's shipped copy: --from-scratch makes its own
+    assert not (tmp_path / "p" / "sft").exists() and not (tmp_path / "p" / "perfectible.jsonl").exists()
+    made = tmp_path / "m" / "sft" / "model"
+    made.mkdir(parents=True)
+    (made / "config.json").write_text("{}")
+    drop_shipped(tmp_path / "m", lambda m: None)  # made here: kept
+    assert (made / "config.json").exists()
+
+
+def test_a_seed_named_twice_is_refused_in_one_line(tmp_path, capsys):
+    from unison.cli import main
+
+    assert main(["demo", "--out", str(tmp_path / "d"), "--seeds", "0,0"]) == 2
+    assert "names a seed twice" in capsys.readouterr().err and not (tmp_path / "d").exists()

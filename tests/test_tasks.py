@@ -233,3 +233,15 @@ def test_scratchpad_task_is_deterministic_long_and_graded_on_the_final_answer():
     mixed = ScratchpadTask(operands=7, train_size=200, eval_size=0, style="mixed")
     worked = sum("\n" in mixed.demonstration(i) for i in mixed.train)
     assert 70 <= worked <= 130  # about half of the problems show the working
+
+
+def test_a_jsonl_task_from_an_older_config_yaml_keeps_its_prompts_as_written(tmp_path):
+    """Run directories written before task.template defaulted to null hold the math default: for a jsonl task it
+    means "the prompts as written", as it did then (a resume must not format rows with {problem})."""
+    from unison.tasks.jsonl import JsonlTask
+    from unison.tasks.math import MATH_TEMPLATE
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    assert JsonlTask(str(p), template=MATH_TEMPLATE).train[0].prompt == "2+2="
+    assert JsonlTask(str(p), template="Q: {prompt}").train[0].prompt == "Q: 2+2="

@@ -369,6 +369,8 @@ def cmd_demo(args) -> int:
         raise UnisonError(f"--seeds '{args.seeds}' is not a list of integers: write e.g. --seeds 0,1") from None
     if not seeds:
         raise UnisonError("--seeds is empty: name at least one, e.g. --seeds 0,1")
+    if len(set(seeds)) != len(seeds):
+        raise UnisonError(f"--seeds '{args.seeds}' names a seed twice: each seed runs once, e.g. --seeds 0,1")
     if args.workers < 1:
         raise UnisonError(f"--workers {args.workers}: give at least 1")
     res = run_demo(precision_cfg, collapse_cfg, out, _csv(args.precisions), regime=regime, k=args.k,

@@ -89,14 +89,25 @@ SEEDS = [0, 1]
 COLLAPSED, CURED = 0.80, 0.95
 #: the shipped warm starts (package data), one directory per part
 WARM_STARTS = Path(__file__).resolve().parent / "data" / "demo"
+#: written into a part's ``sft/`` when its warm start is a shipped copy (``--from-scratch`` then replaces it)
+SHIPPED = "shipped.json"
+
+
+def drop_shipped(part_dir: Path, log) -> None:
+    """``--from-scratch``: a part holding a shipped copy (from an earlier run with the same ``--out``) gets its own."""
+    if (part_dir / "sft" / SHIPPED).exists():
+        log(f"[demo] {part_dir}: replacing the shipped warm start copied there before (--from-scratch)")
+        shutil.rmtree(part_dir / "sft")
+        (part_dir / "perfectible.jsonl").unlink(missing_ok=True)
 
 
 def fingerprint(cfg: Config, k: int, max_prompts: int | None) -> dict:
-    """What a warm start depends on: the base model, the seed, the task, the SFT and the rollout settings the
-    filter samples with, and the filter's size. A shipped warm start serves a run only when they are equal."""
+    """What a warm start depends on: the base model, the seed, the task, the SFT, the precision, engine and
+    sampling settings the filter samples with, and the filter's size. A shipped warm start serves a run only when they are equal."""
     d = cfg.model_dump(mode="json")
     return {"model": d["model"], "seed": d["seed"], "task": d["task"], "sft": d["sft"],
-            "rollout": {key: d["rollout"][key] for key in ("temperature", "max_new_tokens", "top_p", "top_k")},
+            "precision": d["precision"], "rollout_precision": d["rollout_precision"], "engine": d["engine"],
+            "rollout": {key: d["rollout"][key] for key in ("temperature", "max_new_tokens")},
             "k": k, "max_prompts": max_prompts}
 
 
@@ -130,6 +141,7 @@ def seed_warm_start(cfg: Config, part_dir: Path, name: str, k: int, max_prompts:
     shutil.copy(src / "sft.json", tmp / "sft" / "sft.json")
     shutil.copy(src / "perfectible.jsonl", tmp / "perfectible.jsonl")
     part_dir.mkdir(parents=True, exist_ok=True)
+    (tmp / "sft" / SHIPPED).write_text(json.dumps({"fingerprint": manifest["fingerprint"]}) + "\n")
     shutil.rmtree(part_dir / "sft", ignore_errors=True)
     (tmp / "sft").rename(part_dir / "sft")
     (tmp / "perfectible.jsonl").replace(part_dir / "perfectible.jsonl")
@@ -168,7 +180,9 @@ def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions:
     t0 = time.perf_counter()
     parts = {"precision": (precision_cfg, max_prompts), "collapse": (collapse_cfg, collapse_prompts)}
     for name, (cfg, mp_) in parts.items():  # the warm starts first: every run of a part shares its own
-        if not from_scratch:
+        if from_scratch:
+            drop_shipped(out / name, log)
+        else:
             seed_warm_start(cfg, out / name, name, k, mp_, log)
         log(f"[demo] part '{name}': warm start")
         warm_start(cfg, out / name, k=k, max_prompts=mp_, log=log)
@@ -221,11 +235,12 @@ def _run_all(jobs: list[dict], workers: int) -> list[list[str]]:
         try:
             return [f.result() for f in futures]
         except cf.process.BrokenProcessPool as e:
+            pool.shutdown(wait=False, cancel_futures=True)
             raise UnisonError(f"a demo run's process died ({e}): what finished is kept; rerun with the same --out "
                               f"to go on") from None
-        finally:
-            for f in futures:
-                f.cancel()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -278,7 +293,7 @@ def verdict(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
         parts.append(f"{regime.cure_run} held on {len(held)} of them ({seeds(held)})")
     missed = [p for p in collapsed if not p["cure_held"] and not p["cure_collapsed"]]
     if missed:
-        parts.append(f"ended below {CURED:.0%} of the clean run on seed{'s' if len(missed) > 1 else ''} "
+        parts.append(f"{regime.cure_run} ended below {CURED:.0%} of the clean run on seed{'s' if len(missed) > 1 else ''} "
                      f"{seeds(missed)}")
     if both:
         parts.append(f"{regime.cure_run} ended below {COLLAPSED:.0%} of the clean run as well on "
@@ -302,6 +317,10 @@ def headline_text(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str
             f"{mean('clean'):.2f} ({each}){share}: {verdict(per_seed, regime)}")
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.0%}" if b else "–"
+
+
 def seed_table(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> list[str]:
     """Markdown: part 2 per seed and the mean."""
     broken, cured = regime.arms["broken"][0], regime.arms["cured"][0]
@@ -311,11 +330,11 @@ def seed_table(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> list[s
         outcome = ("no collapse" if not p["collapsed"] else "cured" if p["cure_held"]
                    else f"not cured (< {COLLAPSED:.0%})" if p["cure_collapsed"] else f"not cured (< {CURED:.0%})")
         out.append(f"| {p['seed']} | {p['clean']:.3f} | {p['broken_start']:.3f} → {p['broken']:.3f} | "
-                   f"{p['broken'] / p['clean']:.0%} | {p['cured']:.3f} | {p['cured'] / p['clean']:.0%} | {outcome} |")
+                   f"{_ratio(p['broken'], p['clean'])} | {p['cured']:.3f} | {_ratio(p['cured'], p['clean'])} | {outcome} |")
     n = len(per_seed)
     m = {k: sum(p[k] for p in per_seed) / n for k in ("clean", "broken", "cured", "broken_start")}
-    out.append(f"| mean | {m['clean']:.3f} | {m['broken_start']:.3f} → {m['broken']:.3f} | {m['broken'] / m['clean']:.0%} "
-               f"| {m['cured']:.3f} | {m['cured'] / m['clean']:.0%} | |")
+    out.append(f"| mean | {m['clean']:.3f} | {m['broken_start']:.3f} → {m['broken']:.3f} | {_ratio(m['broken'], m['clean'])} "
+               f"| {m['cured']:.3f} | {_ratio(m['cured'], m['clean'])} | |")
     return out
 
 
@@ -344,9 +363,9 @@ def write_demo_report(out: Path, prec_dirs, runs, per_seed, headline: str, cfg1:
     seeds = ", ".join(str(p["seed"]) for p in per_seed)
     lines = ["# unison demo", "", headline + ".", "",
              f"Wall time: warm starts {wall['warm starts'] / 60:.1f} min (shipped ones are copied; "
-             f"`--from-scratch` makes them), the runs {wall['runs'] / 60:.1f} min (two at a time).", "",
+             f"`--from-scratch` makes them), the runs {wall['runs'] / 60:.1f} min.", "",
              f"## 1. Precision: the mismatch each precision causes ({recipe(cfg1)})", "", markdown_table(prec), "",
-             f"## 2. A run that collapses, and the same run cured: {regime.title} ({recipe(cfg2, seeds)})", "",
+             f"## 2. A run the mismatch breaks, and the same run with its cure: {regime.title} ({recipe(cfg2, seeds)})", "",
              f"Each seed's training accuracy over its last 10 steps; a collapse ends below {COLLAPSED:.0%} of the "
              f"clean run, a cure at {CURED:.0%} of it or above. Seeds stand in for CPUs: another CPU changes the "
              f"sampled path as another seed does.", "", *seed_table(per_seed, regime), "",

@@ -173,7 +173,7 @@ def demo_plot(series: list[tuple[str, list[dict]]], out_dir: Path, per_color: in
             ax2.plot(*zip(*k3), color=f"C{i}", lw=1.3, label=label, ls=ls)
     ax.set_xlabel("step")
     ax.set_ylabel("training accuracy (5-step mean)")
-    ax.set_title("the same GRPO run: clean, int4 rollout, int4 + quantization-aware learner", fontsize=10)
+    ax.set_title("the same GRPO run: clean, broken by the mismatch, with its cure", fontsize=10)
     ax.legend(fontsize=8)
     ax2.set_yscale("log")
     ax2.set_xlabel("step")

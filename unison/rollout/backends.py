@@ -31,7 +31,7 @@ class NativeWorkerBackend:
 
         spec = WorkerSpec(str(model_dir), dtype, device, r.quantization, r.quant_group_size, threads,
                           dist.rank, dist.world_size, gemm.current())
-        shapes = [(n, tuple(t.shape)) for n, t in learner.export_weights(None)]
+        shapes = learner.export_shapes()  # the ring holds what export_weights(None) yields, in its order
         check_shared_memory(shapes, r.max_staleness + 1, dist)
         self.worker = EngineWorker(spec, shapes, slots=r.max_staleness + 1, timeout_s=r.worker_timeout_s)
         self.pad_id, self.eos_ids = self.worker.pad_id, self.worker.eos_ids

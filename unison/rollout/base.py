@@ -14,7 +14,7 @@ exactly what one process produces for all of them (given equal logits).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -60,13 +60,13 @@ class WeightUpdate:
     """What a weight sync hands an engine, taken from the learner by the rollout source.
 
     ``tensors``: ``(HF name, full tensor)`` in the engine's ``weight_dtype``, streamed (a collective when the
-    learner is sharded: every rank consumes it to the end). ``shapes``: what the stream yields, in its order,
-    without materialising it (a weight transfer announces it first). ``probe_logprobs``: the policy's log-probs
+    learner is sharded: every rank consumes it to the end). ``shapes()``: what the stream yields, in its order,
+    without materialising it (a weight transfer announces it first; called only by an engine that needs it). ``probe_logprobs``: the policy's log-probs
     (temperature 1) of the engine's ``probe_ids``, for an engine that checks its copy against them (a server).
     """
 
     tensors: Iterable[tuple[str, torch.Tensor]]
-    shapes: list[tuple[str, tuple[int, ...]]] | None = None
+    shapes: Callable[[], list[tuple[str, tuple[int, ...]]]] | None = None
     probe_logprobs: list[float] | None = None
 
 

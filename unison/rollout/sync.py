@@ -12,7 +12,7 @@ def weight_update(engine, learner) -> WeightUpdate:
     that checks its copy on a probe sequence, the learner's log-probs of it: the one place a learner meets an
     engine (collective when sharded: every rank calls it, and the engine consumes the stream on every rank)."""
     ids = getattr(engine, "probe_ids", None)
-    return WeightUpdate(learner.export_weights(engine.weight_dtype), shapes=learner.export_shapes(),
+    return WeightUpdate(learner.export_weights(engine.weight_dtype), shapes=learner.export_shapes,
                         probe_logprobs=probe_logprobs(learner, ids, engine.pad_id) if ids else None)
 
 

@@ -290,7 +290,7 @@ class VLLMServerEngine:
                               "(WeightUpdate.probe_logprobs): push through unison.rollout.sync.push")
         prepared = {"probe": list(update.probe_logprobs)}
         if self.weight_sync == "nccl":
-            prepared["tensors"], prepared["shapes"] = update.tensors, update.shapes
+            prepared["tensors"], prepared["shapes"] = update.tensors, update.shapes()
         else:
             weights = {}
             for name, t in update.tensors:  # a collective: every rank iterates

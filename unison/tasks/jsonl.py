@@ -38,7 +38,10 @@ class JsonlTask(Task):
 
     def __init__(self, path: str, eval_path: str | None = None, eval_size: int = 0, template: str | None = None,
                  seed: int = 0):
-        self.template = template or None  # None: the prompts as written
+        from unison.tasks.math import MATH_TEMPLATE
+
+        # None: the prompts as written (a config.yaml written before the default became None holds the math one)
+        self.template = None if not template or template == MATH_TEMPLATE else template
         items = _items(path, self.template)
         if eval_path:
             self.train, self.eval = items, _items(eval_path, self.template)
