@@ -132,7 +132,6 @@ class Trainer:
         self.checkpoints = Checkpointer(self.run_dir, self.dist, cfg.checkpoint.keep, self.learner, self.tokenizer,
                                         self.schedule, self.noise, self.source, None, self.log)
         self.watch = self.checkpoints.watchdogs = Watchdogs(cfg, self.task.name, self.log, self.checkpoints.saved)
-        self.step = 0
         self.runlog = RunLog(self.run_dir, cfg, self.dist.is_main)
         resumed_from = self.step = self.checkpoints.resume() if resume else 0
         self.dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
