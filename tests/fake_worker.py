@@ -27,7 +27,8 @@ class FakeSpec(WorkerSpec):
     seconds: float = 0.0
     #: megabytes of log-probs in each result (the size of a real batch's completions)
     payload_mib: float = 0.0
-    #: a file written when a generation has returned (the result is then being sent)
+    #: a file written when a generation has returned (the result is then being sent); with "slow_load",
+    #: when a load has read its first tensor (and waits)
     marker: str = ""
 
     def __reduce__(self):
@@ -65,6 +66,9 @@ class FakeEngine:
         items = list(named_tensors)
         self.seen = [float(items[0][1].flatten()[0])]
         if _SPEC.behaviour == "slow_load":
+            if _SPEC.marker:
+                with open(_SPEC.marker, "w") as f:
+                    f.write(str(os.getpid()))
             time.sleep(_SPEC.seconds)
         self.seen += [float(t.flatten()[0]) for _, t in items[1:]]
         return len(items)
@@ -81,7 +85,7 @@ class FakeEngine:
         out = [Completion(prompt_ids=list(p), token_ids=[int(v) for v in self.seen] + [7] * (size - len(self.seen)),
                           logprobs=[-0.5] * size, finish_reason="length", prompt_index=pi, sample_index=si)
                for pi, p in enumerate(prompts) for si in range(params.n)]
-        if s.marker:
+        if s.marker and s.behaviour != "slow_load":
             with open(s.marker, "w") as f:
                 f.write(str(os.getpid()))
         return out

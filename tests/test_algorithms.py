@@ -266,7 +266,8 @@ def test_presets_and_overrides():
         "grpo", {"clip": 3e-4, "clip_high": 4e-4}, "seq_mean_token_mean")
     assert loss_kwargs(resolve_policy("pg_seq_mis", PolicyConfig())) == {"loss_c": 3.0}
     assert set(PRESETS) == {"grpo", "grpo_token_tis", "grpo_seq_mis", "gspo", "pg_seq_is", "pg_seq_mis",
-                            "pg_token_is", "dppo_tv", "dppo_kl", "grpo_icepop", "ipo", "grpo_m2po", "grpo_m2po_mask"}
+                            "pg_token_is", "dppo_tv", "dppo_kl", "grpo_icepop", "ipo", "grpo_m2po", "grpo_m2po_mask",
+                            "opd"}
     assert set(ADVANTAGES) == {"grpo", "drgrpo", "rloo", "batch_norm"}
     with pytest.raises(UnisonError, match="unknown algo"):
         resolve_policy("ppo2", PolicyConfig())

@@ -147,6 +147,17 @@ CASES = {
     "train-out-of-range": lambda e: (
         ["train", e.cfg(), "--set", "rollout.temperature=-1", "--out", str(e.out)], e.out,
         "config key 'rollout.temperature'"),
+    "train-opd-without-teacher": lambda e: (
+        ["train", e.cfg(), "--set", "algo=opd", "--out", str(e.out)], e.out,
+        "algo=opd distills from a teacher but distill.teacher is not set"),
+    "train-distill-coef-negative": lambda e: (
+        ["train", e.cfg(), "--set", "distill.coef=-0.5", "--out", str(e.out)], e.out, "config key 'distill.coef'"),
+    "train-distill-teacher-missing": lambda e: (
+        ["train", e.cfg(), "--set", "algo=opd", "--set", f"distill.teacher={e.root / 'no-teacher'}", "--out",
+         str(e.out)], e.out, "distill.teacher: model directory"),
+    "train-distill-sequence-loss": lambda e: (
+        ["train", e.cfg(), "--set", "algo=gspo", "--set", "distill.teacher=builtin:tiny", "--out", str(e.out)], e.out,
+        "policy.loss=gspo cannot take"),
     "train-missing-config": lambda e: (
         ["train", str(e.root / "none.yaml"), "--out", str(e.out)], e.out, "none.yaml' does not exist"),
     "train-malformed-yaml": lambda e: (

@@ -349,3 +349,20 @@ def test_the_custom_task_example_climbs(tmp_path):
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert len(rewards) == 30 and last > 2 * first and last > 0.25, rewards
+
+
+def test_beside_busy_spins_cores_while_the_command_runs_and_stops_them_after(tmp_path):
+    # scripts/beside_busy.py: how `make test` is checked beside two CPU-bound processes (docs/testing.md)
+    script = ROOT / "scripts" / "beside_busy.py"
+    check = ("import os, sys; pids = [int(p) for p in os.environ['BESIDE_BUSY_PIDS'].split(',')];"
+             " busy = [p for p in pids if 'while True' in open(f'/proc/{p}/cmdline').read()];"
+             " print(','.join(map(str, pids))); sys.exit(10 + len(busy))")
+    r = subprocess.run([sys.executable, str(script), "--busy", "2", "--runs", "2", "--out", str(tmp_path / "rows.json"),
+                        "--", sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert r.returncode == 12 and [x["rc"] for x in rows] == [12, 12], r.stdout + r.stderr  # two, alive, beside it
+    pids = [int(p) for p in r.stdout.splitlines()[0].split(",")]
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a busy process outlived the script"
+    bad = subprocess.run([sys.executable, str(script), "--busy", "2"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == ("beside_busy: no command given: put it after --, "
+                                                          "e.g. -- make test")

@@ -11,6 +11,13 @@ those in flight with finish reason ``abort``. Reloads can be slow (``reload_dela
 (``fail_reloads``: their 1-based numbers answer 500), a pause can take a while to return
 (``pause_delay``, effective at once), and ``gen_log`` records for every completion the reloads done
 when it started and when it ended (the weights it was really generated with).
+
+Tests order themselves on what the server did, never on how long something takes (a busy machine
+stretches every delay): ``event(name)`` is set once the server has done ``name`` — ``"completion"`` (a
+request arrived), ``"generating"`` (it is being generated: it arrived unpaused or was resumed),
+``"pause:wait"`` / ``"pause:keep"`` / ``"pause:abort"``, ``"reload"`` (a weight reload began),
+``"resume"``. ``hold_completions`` / ``hold_reloads`` (events the test sets) keep every completion /
+reload from finishing until they are set, in place of a delay long enough to act within.
 """
 
 from __future__ import annotations
@@ -26,13 +33,16 @@ class StubServer:
     def __init__(self, model_root: str, probe_tokens: list[int], vocab: int, *, frozen_probe: bool = False,
                  hang_after: int | None = None, fail_after: int | None = None, dev_mode: bool = True,
                  reload_delay: float = 0.0, server_info: dict | None = None, probe_frozen_after: int | None = None,
-                 completion_delay: float = 0.0, fail_reloads=(), pause_delay: float = 0.0, script=None):
+                 completion_delay: float = 0.0, fail_reloads=(), pause_delay: float = 0.0, script=None,
+                 hold_completions: threading.Event | None = None, hold_reloads: threading.Event | None = None):
         self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
         self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
         self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: pause/resume and collective_rpc exist
         self.reload_delay = reload_delay  # seconds a weight reload takes
         self.probe_frozen_after, self.completion_delay = probe_frozen_after, completion_delay
         self.fail_reloads, self.pause_delay = set(fail_reloads), pause_delay
+        self.hold_completions, self.hold_reloads = hold_completions, hold_reloads
+        self._events: dict[str, threading.Event] = {}
         self.paused = False
         self.resumed = threading.Condition()
         self.aborts = 0  # /pause?mode=abort calls: completions in flight then end with "abort"
@@ -94,17 +104,22 @@ class StubServer:
                         stub.paused = True
                         stub.aborts += mode == "abort"
                         stub.resumed.notify_all()
+                    stub.event(f"pause:{mode}").set()
                     time.sleep(stub.pause_delay)
                     return self._send(200, {"status": "ok"})
                 if path == "/resume":
                     with stub.resumed:
                         stub.paused = False
                         stub.resumed.notify_all()
+                    stub.event("resume").set()
                     return self._send(200, {"status": "ok"})
                 if path == "/reset_prefix_cache":
                     return self._send(200, {"success": True})
                 if path == "/collective_rpc":
+                    stub.event("reload").set()
                     time.sleep(stub.reload_delay)
+                    if stub.hold_reloads is not None:
+                        assert stub.hold_reloads.wait(120), "the test never released the reload"
                     if stub.reloads + 1 in stub.fail_reloads:
                         stub.fail_reloads.discard(stub.reloads + 1)
                         return self._send(500, {"detail": "reload failed half-way"})
@@ -133,6 +148,7 @@ class StubServer:
                 if stub.fail_after is not None and count > stub.fail_after:
                     return self._send(503, {"detail": "engine dead"})
                 stub.prompts.append(list(prompt))
+                stub.event("completion").set()
                 if stub.script is not None:
                     toks = list(stub.script(list(prompt)))
                     return self._send(200, {"choices": [{"index": i, "token_ids": toks, "finish_reason": "stop",
@@ -140,7 +156,11 @@ class StubServer:
                                                         for i in range(body.get("n", 1))]})
                 aborts = stub.aborts
                 start = stub._run_unpaused(0.0)  # a request that arrives paused waits for /resume
+                stub.event("generating").set()
                 stub._run_unpaused(stub.completion_delay)
+                if stub.hold_completions is not None:
+                    assert stub.hold_completions.wait(120), "the test never released the completion"
+                    stub._run_unpaused(0.0)  # and never finishing paused
                 end = stub.reloads
                 finish = "abort" if stub.aborts > aborts else "length"
                 stub.gen_log.append((body.get("seed", 0), start, end))
@@ -155,6 +175,12 @@ class StubServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def event(self, name: str) -> threading.Event:
+        """Set once the server has done ``name`` (the module's docstring lists them); ``clear()`` it to
+        wait for the next time."""
+        with self.lock:
+            return self._events.setdefault(name, threading.Event())
 
     def _run_unpaused(self, seconds: float) -> int:
         """Spend ``seconds`` generating, frozen while paused (and never finishing paused); the reloads

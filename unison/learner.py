@@ -153,7 +153,9 @@ class Learner(Scorer):
                 mu = batch.logp_mu[rows, :W].to(self.device)
                 old = old_logp(rows, logp, mu, mb_i)[:, :W]
                 w = weights(old, mu, m) if callable(weights) else weights[rows, :W].to(self.device)
-                per_tok, lm = loss_fn(logp, old, mu, batch.advantages[rows].to(self.device), w, m, **loss_kw)
+                adv = batch.advantages[rows]
+                adv = adv[:, :W] if adv.dim() == 2 else adv  # per-token advantages (distillation): cut too
+                per_tok, lm = loss_fn(logp, old, mu, adv.to(self.device), w, m, **loss_kw)
                 loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, self.max_new_tokens)
                 if aux_coef:  # the router's load-balancing loss, weighted by this micro-batch's share of rows
                     aux = self.forward_module.last_aux_loss

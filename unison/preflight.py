@@ -13,6 +13,22 @@ from unison.distributed import under_torchrun
 from unison.errors import UnisonError
 
 
+def _check_distill_settings(cfg: Config) -> None:
+    from unison.algorithms.losses import PER_TOKEN_ADVANTAGES
+    from unison.algorithms.presets import resolve_policy
+
+    if cfg.algo == "opd" and not cfg.distill.teacher:
+        raise UnisonError("algo=opd distills from a teacher but distill.teacher is not set: name its model, "
+                          "e.g. --set distill.teacher=runs/demo/sft/model")
+    if not cfg.distill.teacher:
+        return
+    loss = resolve_policy(cfg.algo, cfg.policy)["loss"]
+    if loss not in PER_TOKEN_ADVANTAGES:
+        raise UnisonError(f"distill.teacher gives every token its own advantage, which policy.loss={loss} cannot take "
+                          f"(it weighs a response as a whole): use algo=opd, or a loss among "
+                          f"{', '.join(sorted(PER_TOKEN_ADVANTAGES))}")
+
+
 def check_settings(cfg: Config) -> None:
     """Combinations of keys that cannot run, whatever the data."""
     d = cfg.distributed
@@ -27,6 +43,7 @@ def check_settings(cfg: Config) -> None:
     if cfg.exact:
         _check_exact_settings(cfg)
     _check_async_settings(cfg)
+    _check_distill_settings(cfg)
     if cfg.mismatch.ledger == "on":
         _check_ledger_settings(cfg)
     budget = cfg.train.mismatch_budget.metric or ("mismatch/staleness_k3" if cfg.rollout.max_staleness else None)

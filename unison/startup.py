@@ -65,6 +65,10 @@ def method_line(tr) -> str:
     cfg, p, r = tr.cfg, tr.policy, tr.cfg.rollout
     algo = (f"algo {cfg.algo} (advantage {p['advantage']}, loss {p['loss']}, correction {p['correction']}, "
             f"π_old {p['anchor']})")
+    if cfg.distill.teacher:
+        d = cfg.distill
+        algo += (f"; distilling from {d.teacher}: per-token advantage −{d.coef:g}·(log π_old − log π_teacher)"
+                 f"{' + the task reward' if d.task_reward else ', the task reward not added'}")
     lora = (f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {cfg.lora.target_modules}: only the adapters "
             f"train and checkpoints hold the adapters (PEFT format), the engine gets the merged weights"
             if cfg.lora.rank else "full fine-tuning")

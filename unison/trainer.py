@@ -4,7 +4,8 @@
        (log μ per token, the policy version that sampled each), verifier rewards
     2. group advantages (Dr.GRPO by default)
     3. log π_old, decided in one place (``policy.anchor``): the learner's score pass, the training
-       forward itself (one mini-batch), log μ (bypass), or AReaL's log-linear approximation
+       forward itself (one mini-batch), log μ (bypass), or AReaL's log-linear approximation;
+       on-policy distillation (distill.teacher): per-token advantages −coef·(log π_old − log π_teacher)
     4. correction weights from (π_old, μ), e.g. Token-TIS min(ρ_t, C)
     5. the learner's update: policy loss over mini-batches (micro-batch accumulation), AdamW on
        fp32 master weights; fp16 uses dynamic loss scaling and skips non-finite steps
@@ -108,6 +109,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.learner = Learner.from_config(cfg, model_dir, self.dist, prec=self.prec, policy=self.policy)
         self.learner.max_new_tokens = model_token_budget(cfg)  # Dr.GRPO's normaliser: an episode's model tokens
+        self.teacher = None
+        if cfg.distill.teacher:  # on-policy distillation: the teacher's engine, its tokenizer checked
+            from unison.teacher import Teacher
+
+            self.teacher = Teacher(cfg, self.tokenizer, self.dist)
         self.source = make_source(cfg, partial(self._make_engine, model_dir), self.task, self.reward,
                                   self.tokenizer, self.prompt_ids, self.dist, self.learner, model_dir,
                                   self.prec.rollout_dtype)
@@ -166,6 +172,10 @@ class Trainer:
         with timed("time/score_s", t):
             old, routing = self._old_logp(batch, step)                 # 3. which log π is π_old
         metrics.update(self._retokenize(roll.completions, step))      #    (multi-turn: with π_old's weights)
+        if self.teacher is not None:                                   #    distillation: per-token advantages
+            with timed("time/teacher_s", t):                           #    from the teacher and π_old
+                batch.advantages, dmetrics = self.teacher.advantages(batch, self.learner)
+            metrics.update({**dmetrics, "time/teacher_s": t["time/teacher_s"]})
         if batch.logp_old is not None:                                 # 4. correction weights, once
             weights, cmetrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)
         else:                                                          #    or per micro-batch of π_old

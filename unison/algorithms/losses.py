@@ -3,7 +3,8 @@
 Every loss takes per-token log-probs under the current policy ``logp`` [B, L]
 (with gradient), the behaviour log-probs ``logp_old`` (π_θ', the learner's
 score pass, or μ in bypass mode), the rollout log-probs ``logp_mu``,
-advantages ``adv`` [B], correction ``weights`` [B, L] (detached; 1 for none)
+advantages ``adv`` [B] (token-level losses also take [B, L]: per-token advantages, as on-policy
+distillation's reverse KL gives), correction ``weights`` [B, L] (detached; 1 for none)
 and ``mask`` [B, L], and returns a per-token loss [B, L] (0 off the mask) and
 metrics. :func:`aggregate` reduces it with a normaliser computed over the
 whole mini-batch, so gradient accumulation over micro-batches gives exactly
@@ -25,6 +26,11 @@ def _masked_log_ratio(a, b, m):
     return torch.where(m.bool(), (a - b).clamp(-LOG_CLAMP, LOG_CLAMP), 0.0)
 
 
+def _per_token(adv, dtype):
+    """[B] advantages broadcast over tokens, or [B, L] per-token advantages as they are."""
+    return (adv if adv.dim() == 2 else adv[:, None]).to(dtype)
+
+
 def ppo_clip(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.2,
              clip_high: float | None = None, **_):
     """PPO-clip (GRPO / Dr.GRPO), per token:
@@ -42,7 +48,7 @@ def ppo_clip(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.2,
     hi = clip if clip_high is None else clip_high
     log_r = _masked_log_ratio(logp, logp_old, m)
     ratio = log_r.exp()
-    a = adv[:, None].to(ratio.dtype)
+    a = _per_token(adv, ratio.dtype)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip, 1 + hi) * a
     per_token = -torch.minimum(unclipped, clipped) * weights.detach() * m
@@ -117,7 +123,7 @@ def pg_token_is(logp, logp_old, logp_mu, adv, weights, mask, **_):
     """PG-Token-IS (Paper A): per-token weight, unclipped: ℓ_t = −sg[π_θ(y_t)/μ(y_t)] · A · log π_θ(y_t)."""
     m = mask.float()
     w = _masked_log_ratio(logp.detach(), logp_mu, m).exp() * m
-    per_token = -w * adv[:, None].to(w.dtype) * logp * m
+    per_token = -w * _per_token(adv, w.dtype) * logp * m
     return per_token, {"policy/clip_fraction": 0.0}
 
 
@@ -129,7 +135,7 @@ def _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau):
     r = log_r.detach().exp()
     if loss_c is not None:
         r = r.clamp(max=loss_c)
-    a = adv[:, None].to(r.dtype)
+    a = _per_token(adv, r.dtype)
     per_token = -(keep.float() * weights.detach() * r * a) * logp * m
     if kl_tau:
         per_token = per_token + kl_tau * log_r.pow(2) * m
@@ -159,7 +165,7 @@ def dppo_tv(logp, logp_old, logp_mu, adv, weights, mask, clip: float = 0.2, clip
     """
     hi = clip if clip_high is None else clip_high
     dp = logp.detach().exp() - logp_old.exp()
-    keep = torch.where(adv[:, None] > 0, dp <= hi, dp >= -clip)
+    keep = torch.where(_per_token(adv, logp.dtype) > 0, dp <= hi, dp >= -clip)
     return _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau)
 
 
@@ -180,7 +186,7 @@ token whose p ≈ 1e-9 collapsed from a p_old of 0.5),
     p, q = logp.detach().exp(), logp_old.exp()
     eps = 1e-8
     d = q * (logp_old - logp.detach()) + (1 - q) * torch.log((1 - q + eps) / (1 - p + eps))
-    keep = torch.where(adv[:, None] > 0, (d <= hi) | (p <= q), (d <= clip) | (p >= q))
+    keep = torch.where(_per_token(adv, logp.dtype) > 0, (d <= hi) | (p <= q), (d <= clip) | (p >= q))
     return _dppo(keep, logp, logp_old, adv, weights, mask, loss_c, kl_tau)
 
 
@@ -220,6 +226,8 @@ LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "pg_seq_is": pg_seq_is, "pg_seq_mi
 SELF_CORRECTING = {"pg_seq_is", "pg_seq_mis", "pg_token_is"}
 #: losses whose ratio is a sequence quantity: token-level corrections do not compose
 SEQUENCE_LEVEL = {"gspo"}
+#: losses that take per-token advantages [B, L] (on-policy distillation); the others weigh a response as a whole
+PER_TOKEN_ADVANTAGES = {"ppo_clip", "pg_token_is", "dppo_tv", "dppo_kl", "ipo"}
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 

@@ -53,6 +53,9 @@ PRESETS: dict[str, dict] = {
     "grpo_m2po": dict(_GRPO, correction="m2po", correction_c=0.04, correction_cap=5.0),
     # M2PO's mask alone, no behaviour weight (unison's grpo_m2po before it followed AReaL)
     "grpo_m2po_mask": dict(_GRPO, correction="m2po_mask", correction_c=0.04),
+    # On-policy distillation (unison/algorithms/distill.py): PPO-clip on per-token advantages
+    # −distill.coef·(log π_old − log π_teacher), the task's reward added with distill.task_reward; needs distill.teacher
+    "opd": dict(_GRPO),
 }
 #: every preset shares Dr.GRPO's advantage (R − group mean) and normaliser Σ/(B·L_max) unless it names its own (GSPO):
 #: arms of an experiment then differ in the correction alone. The cures' authors use others — IcePop's verl

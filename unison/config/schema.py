@@ -397,6 +397,19 @@ class SFTConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
+class DistillConfig(_Section):
+    """On-policy distillation (``algo: opd``, or any token-level loss): a teacher scores every sampled token
+    and the per-token reverse KL −coef·(log π_old − log π_teacher) is the advantage (unison/algorithms/distill.py)."""
+
+    #: the teacher: any model unison loads (a local HF directory, a .gguf file, builtin:NAME) with the
+    #: student's tokenizer; None: no distillation
+    teacher: str | None = None
+    #: weight of the reverse-KL advantage
+    coef: float = Field(1.0, ge=0)
+    #: add the task's advantage (its reward, group-baselined) to every token's, or train on the teacher alone
+    task_reward: bool = False
+
+
 class ScalerConfig(_Section):
     """Dynamic loss scaling, active exactly when the learner computes in fp16."""
 
@@ -467,7 +480,8 @@ class Config(_Section):
     #: layout, so log μ == log π_old == log π_θ bit for bit (native engine; Llama/Mistral/Qwen2/Qwen3)
     exact: bool = False
     #: preset (unison/algorithms/presets.py): grpo, grpo_token_tis, grpo_seq_mis, gspo,
-    #: pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl, grpo_icepop, ipo, grpo_m2po, grpo_m2po_mask
+    #: pg_seq_is, pg_seq_mis, pg_token_is, dppo_tv, dppo_kl, grpo_icepop, ipo, grpo_m2po, grpo_m2po_mask,
+    #: opd (on-policy distillation: needs distill.teacher)
     algo: str = "grpo"
     #: local HF model directory, or builtin:tiny
     model: str = "builtin:tiny"
@@ -490,6 +504,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     scaler: ScalerConfig = ScalerConfig()
     sft: SFTConfig = SFTConfig()
+    distill: DistillConfig = DistillConfig()
     vllm: VLLMConfig = VLLMConfig()
     distributed: DistributedConfig = DistributedConfig()
     moe: MoEConfig = MoEConfig()

@@ -1,0 +1,87 @@
+"""docs/experiments/distillation.md from runs/distillation/: the shared tables and curves
+(experiments/analyze.py), the distillation signal per run, and accuracy against wall time.
+
+    python experiments/distillation/analyze.py runs/distillation docs/experiments/distillation.md
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from unison.data_io import read_metrics  # noqa: E402
+
+HERE = Path(__file__).parent
+KEYS = ("distill/reverse_kl_pi", "distill/reverse_kl_mu", "distill/mismatch_share")
+
+
+def _runs(root: Path):
+    return sorted(p for p in root.iterdir() if (p / "metrics.jsonl").exists())
+
+
+def signal_rows(root: Path) -> list[str]:
+    head = ["run", *[f"{k.split('/')[1]} first 5 → last 5" for k in KEYS], "teacher time / step", "wall time"]
+    out = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for run in _runs(root):
+        rows = read_metrics(run / "metrics.jsonl")
+
+        def span(key):
+            xs = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+            if not xs:
+                return "–"
+            a, b = xs[:5], xs[-5:]
+            return f"{sum(a) / len(a):.3g} → {sum(b) / len(b):.3g}"
+        teacher = [r.get("time/teacher_s") for r in rows if r.get("time/teacher_s") is not None]
+        wall = sum(r.get("time/step_s") or 0 for r in rows)
+        out.append("| " + " | ".join([run.name, *[span(k) for k in KEYS],
+                                      f"{sum(teacher) / len(teacher):.2f} s" if teacher else "–",
+                                      f"{wall:.0f} s"]) + " |")
+    return out
+
+
+def wall_plot(root: Path, img: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {}
+    for run in _runs(root):
+        arm = re.sub(r"-s\d+$", "", run.name)
+        c = colors.setdefault(arm, f"C{len(colors)}")
+        rows = read_metrics(run / "metrics.jsonl")
+        t, x = 0.0, []
+        for r in rows:
+            t += r.get("time/step_s") or 0
+            x.append(t)
+        ax.plot(x, [r.get("reward/mean") for r in rows], color=c, alpha=0.6, lw=1,
+                label=arm if arm not in [h.get_label() for h in ax.lines] else None)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("training reward")
+    ax.legend()
+    fig.tight_layout()
+    path = img / "reward_vs_wall.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    root, out_md = Path(sys.argv[1]), Path(sys.argv[2])
+    subprocess.run([sys.executable, str(HERE.parent / "analyze.py"), str(root), str(out_md), "--title",
+                    "On-policy distillation vs GRPO from a weak start", "--intro", str(HERE / "intro.md")],
+                   check=True)
+    text = out_md.read_text()
+    cut = text.index("![")
+    wall = wall_plot(root, out_md.parent / out_md.stem)
+    extra = ["## The distillation signal (student term from π_old, as trained, and from μ)", "",
+             *signal_rows(root), "", f"![reward vs wall time]({out_md.stem}/{wall.name})", ""]
+    out_md.write_text(text[:cut] + "\n".join(extra) + "\n" + text[cut:])
+    print(out_md)
+
+
+if __name__ == "__main__":
+    main()

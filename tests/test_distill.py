@@ -1,0 +1,85 @@
+"""On-policy distillation (issue 40, item 1): the reverse-KL advantage on hand numbers, the loss on per-token
+advantages, the teacher's tokenizer check, and a run whose teacher is its own start."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unison.algorithms.distill import reverse_kl_advantages, reverse_kl_metrics
+from unison.algorithms.losses import ppo_clip
+from unison.config import load_config
+from unison.data_io import read_metrics
+from unison.errors import UnisonError
+
+# two rows of 5 positions. Row 0: 2 prompt tokens, 2 sampled tokens, 1 pad. Row 1: 1 prompt token, a sampled
+# token, a tool token (the environment's: not the model's), 2 sampled tokens.
+MASK = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 1, 1]], dtype=torch.float32)
+OLD = torch.tensor([[-9.0, -9.0, -1.0, -2.0, -9.0], [-9.0, -0.5, -9.0, -3.0, -0.25]])   # log π_old
+MU = torch.tensor([[-9.0, -9.0, -1.25, -2.0, -9.0], [-9.0, -0.5, -9.0, -2.5, -0.25]])   # log μ (the sampler)
+TEACHER = torch.tensor([[0.0, 0.0, -1.5, -1.0, 0.0], [0.0, -0.5, -7.0, -1.0, -2.25]])   # log π_teacher
+
+
+def test_the_reverse_kl_advantage_on_a_hand_computed_two_row_batch():
+    adv = reverse_kl_advantages(OLD, TEACHER, MASK, coef=0.5)
+    # −0.5·(s − q) on the model's tokens: row 0: −0.5·(−1+1.5) = −0.25, −0.5·(−2+1) = 0.5;
+    # row 1: −0.5·(−0.5+0.5) = 0, the tool token 0, −0.5·(−3+1) = 1, −0.5·(−0.25+2.25) = −1
+    assert adv.tolist() == [[0.0, 0.0, -0.25, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0, -1.0]]
+    with_task = reverse_kl_advantages(OLD, TEACHER, MASK, coef=0.5, task_advantages=torch.tensor([1.0, -0.5]))
+    assert with_task.tolist() == [[0.0, 0.0, 0.75, 1.5, 0.0], [0.0, -0.5, 0.0, 0.5, -1.5]]
+    # the student term from μ instead: row 0's first token −0.5·(−1.25+1.5) = −0.125; row 1's third 0.75
+    from_mu = reverse_kl_advantages(MU, TEACHER, MASK, coef=0.5)
+    assert from_mu.tolist() == [[0.0, 0.0, -0.125, 0.5, 0.0], [0.0, 0.0, 0.0, 0.75, -1.0]]
+
+
+def test_the_distill_metrics_report_the_signal_from_pi_old_and_from_mu():
+    m = reverse_kl_metrics(OLD, MU, TEACHER, MASK)
+    # s − q over the 5 model tokens: 0.5, −1, 0, −2, 2 → mean −0.1; with μ: 0.25, −1, 0, −1.5, 2 → −0.05
+    assert m["distill/reverse_kl_pi"] == pytest.approx(-0.1)
+    assert m["distill/reverse_kl_mu"] == pytest.approx(-0.05)
+    # mean |log μ − log π_old| = (0.25 + 0.5)/5 = 0.15 over mean |log μ − q| = 4.75/5 = 0.95
+    assert m["distill/mismatch_share"] == pytest.approx(0.15 / 0.95)
+
+
+def test_ppo_clip_takes_per_token_advantages():
+    adv = reverse_kl_advantages(OLD, TEACHER, MASK, coef=0.5)
+    logp = OLD.clone().requires_grad_(True)
+    per_token, _ = ppo_clip(logp, OLD, MU, adv, torch.ones_like(OLD), MASK)
+    # at r = 1 the PPO term is −A_t on each token: the per-token advantages, negated
+    assert per_token.detach().tolist() == (-adv).tolist()
+    per_token.sum().backward()
+    assert logp.grad.tolist() == (-adv).tolist()  # d(−r·A)/d log π = −A at r = 1
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line():
+    from unison.models import build_char_tokenizer
+    from unison.teacher import check_tokenizer
+
+    a, b = build_char_tokenizer(), build_char_tokenizer(len(build_char_tokenizer()) + 16)
+    check_tokenizer(a, build_char_tokenizer(), "t", "s")  # the same vocabulary passes
+    with pytest.raises(UnisonError) as e:
+        check_tokenizer(b, a, "/teachers/big", "builtin:tiny")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("distill.teacher '/teachers/big' has another tokenizer than the student")
+
+
+def test_a_teacher_that_is_the_student_gives_zero_signal_from_pi_old_and_the_mismatch_from_mu(tmp_path):
+    # student and teacher: the same weights. From π_old the reverse KL is exactly 0 at step 1 (the teacher scores
+    # in fp32 as the learner does); from a bf16 sampler's μ it is the mismatch alone — the signal the usual
+    # recipe would train on
+    from unison.trainer import Trainer
+
+    cfg = load_config(None, ["task.digits=1", "task.train_size=16", "task.eval_size=2", "rollout.n=2",
+                             "rollout.max_new_tokens=4", "train.steps=2", "train.prompts_per_step=4",
+                             "algo=opd", "distill.teacher=builtin:tiny", "rollout_precision=bf16",
+                             "log.tensorboard=false", "log.console=false", "checkpoint.every=0"])
+    lines = []
+    Trainer(cfg, tmp_path / "r", log=lines.append).fit()
+    assert any("distilling from builtin:tiny" in x for x in lines)
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    first = rows[0]
+    assert first["distill/reverse_kl_pi"] == 0.0
+    assert abs(first["distill/reverse_kl_mu"]) > 1e-6 and first["distill/mismatch_share"] == 1.0
+    assert all(math.isfinite(r["policy/loss"]) for r in rows)

@@ -1,0 +1,52 @@
+"""The teacher of on-policy distillation (``distill.teacher``): a second model that scores the student's
+samples token by token in its own engine (the learner's fp32 scoring path), and the per-token advantages
+and metrics those scores give (the math: unison/algorithms/distill.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from unison.algorithms.distill import reverse_kl_advantages, reverse_kl_metrics
+from unison.errors import UnisonError
+from unison.models import load_tokenizer, resolve_model_dir
+from unison.policy import Scorer
+
+
+def check_tokenizer(teacher_tok, student_tok, teacher: str, student: str) -> None:
+    """Distillation compares the log-probabilities of the same token ids: the vocabularies must be one."""
+    if teacher_tok.get_vocab() != student_tok.get_vocab():
+        raise UnisonError(f"distill.teacher '{teacher}' has another tokenizer than the student '{student}' "
+                          f"({len(teacher_tok)} vs {len(student_tok)} tokens, or the same size with other ids): "
+                          f"its log-probabilities are of other token ids; pick a teacher of the student's family")
+
+
+class Teacher:
+    """Scores batches with the teacher's weights, frozen, at the rollout's temperature (the student's π_old
+    is scored at it too, so the reverse KL compares like with like)."""
+
+    def __init__(self, cfg, student_tokenizer, dist=None):
+        d = cfg.distill
+        try:
+            self.model_dir = resolve_model_dir(d.teacher)
+        except UnisonError as e:
+            raise UnisonError(f"distill.teacher: {e}") from None
+        check_tokenizer(load_tokenizer(self.model_dir), student_tokenizer, d.teacher, cfg.model)
+        self.coef, self.task_reward = d.coef, d.task_reward
+        self.scorer = Scorer(self.model_dir, compute_dtype=torch.float32, device=cfg.device,
+                             temperature=cfg.rollout.temperature, dist=dist,
+                             micro_batch_size=cfg.train.micro_batch_size, logprob_chunk=cfg.train.logprob_chunk,
+                             micro_batch_tokens=cfg.train.micro_batch_tokens,
+                             replay_sampling_mask=cfg.rollout.replay_sampling_mask)
+        self.scorer.model.requires_grad_(False)
+
+    def advantages(self, batch, learner) -> tuple[torch.Tensor, dict[str, float]]:
+        """[B, L] per-token advantages for ``batch`` (its ``advantages`` [B], the task's, are added with
+        ``distill.task_reward``) and the ``distill/*`` metrics. The student term is the learner's log π_old:
+        ``batch.logp_old`` when the step scored it, else one score pass here."""
+        with torch.no_grad():
+            teacher = self.scorer.score(batch)
+            student = batch.logp_old if batch.logp_old is not None else learner.score(batch)
+        mask = batch.response_mask
+        adv = reverse_kl_advantages(student, teacher, mask, self.coef,
+                                    batch.advantages if self.task_reward else None)
+        return adv, reverse_kl_metrics(student, batch.logp_mu, teacher, mask)
