@@ -37,10 +37,12 @@ for seed in $SEEDS; do
          "opd_lr1e-3 $seed --set algo=opd --set distill.teacher=$TEACHER --set train.lr=1e-3"
          "grpo_lr1e-3 $seed --set train.lr=1e-3")
 done
+running=0
 for job in "${jobs[@]}"; do  # two at a time
   # shellcheck disable=SC2086
   arm $job &
-  [ "$(jobs -rp | wc -l)" -ge 2 ] && wait -n
+  running=$((running + 1))
+  if [ "$running" -ge 2 ]; then wait -n; running=$((running - 1)); fi
 done
 wait
 $PY experiments/distillation/analyze.py "$OUT" docs/experiments/distillation.md
