@@ -65,7 +65,8 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line():
     assert "\n" not in msg and msg.startswith("distill.teacher '/teachers/big' has another tokenizer than the student")
 
 
-def test_a_teacher_that_is_the_student_gives_zero_signal_from_pi_old_and_the_mismatch_from_mu(tmp_path):
+@pytest.mark.parametrize("anchor", ["recompute", "bypass"])  # bypass: π_old is μ for the loss, not for the teacher
+def test_a_teacher_that_is_the_student_gives_zero_signal_from_pi_old_and_the_mismatch_from_mu(tmp_path, anchor):
     # student and teacher: the same weights. From π_old the reverse KL is exactly 0 at step 1 (the teacher scores
     # in fp32 as the learner does); from a bf16 sampler's μ it is the mismatch alone — the signal the usual
     # recipe would train on
@@ -74,6 +75,7 @@ def test_a_teacher_that_is_the_student_gives_zero_signal_from_pi_old_and_the_mis
     cfg = load_config(None, ["task.digits=1", "task.train_size=16", "task.eval_size=2", "rollout.n=2",
                              "rollout.max_new_tokens=4", "train.steps=2", "train.prompts_per_step=4",
                              "algo=opd", "distill.teacher=builtin:tiny", "rollout_precision=bf16",
+                             f"policy.anchor={anchor}",
                              "log.tensorboard=false", "log.console=false", "checkpoint.every=0"])
     lines = []
     Trainer(cfg, tmp_path / "r", log=lines.append).fit()

@@ -39,13 +39,14 @@ class Teacher:
                              replay_sampling_mask=cfg.rollout.replay_sampling_mask)
         self.scorer.model.requires_grad_(False)
 
-    def advantages(self, batch, learner) -> tuple[torch.Tensor, dict[str, float]]:
+    def advantages(self, batch, learner, scored_old: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
         """[B, L] per-token advantages for ``batch`` (its ``advantages`` [B], the task's, are added with
-        ``distill.task_reward``) and the ``distill/*`` metrics. The student term is the learner's log π_old:
-        ``batch.logp_old`` when the step scored it, else one score pass here."""
+        ``distill.task_reward``) and the ``distill/*`` metrics. The student term is the learner's own score:
+        ``scored_old`` when the step's score pass made it, else one score pass here — never log μ, which is
+        what ``batch.logp_old`` holds under ``policy.anchor: bypass``."""
         with torch.no_grad():
             teacher = self.scorer.score(batch)
-            student = batch.logp_old if batch.logp_old is not None else learner.score(batch)
+            student = scored_old if scored_old is not None else learner.score(batch)
         mask = batch.response_mask
         adv = reverse_kl_advantages(student, teacher, mask, self.coef,
                                     batch.advantages if self.task_reward else None)

@@ -174,7 +174,8 @@ class Trainer:
         metrics.update(self._retokenize(roll.completions, step))      #    (multi-turn: with π_old's weights)
         if self.teacher is not None:                                   #    distillation: per-token advantages
             with timed("time/teacher_s", t):                           #    from the teacher and π_old
-                batch.advantages, dmetrics = self.teacher.advantages(batch, self.learner)
+                scored = batch.logp_old if self.anchor == "score" else None  # bypass: μ, not the learner's
+                batch.advantages, dmetrics = self.teacher.advantages(batch, self.learner, scored)
             metrics.update({**dmetrics, "time/teacher_s": t["time/teacher_s"]})
         if batch.logp_old is not None:                                 # 4. correction weights, once
             weights, cmetrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)

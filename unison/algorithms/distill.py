@@ -8,8 +8,8 @@ For a sampled token y_t of a response, with the student's log-probability s_t an
 The student term s_t is the learner's log π_old — the policy being trained, scored by the trainer — not the
 sampler's log μ, which the recipe most frameworks copy takes: with μ the training–inference mismatch
 (log μ − log π_old, per token) enters the reward itself. Both are reported: ``distill/reverse_kl_pi`` (the
-signal trained on) and ``distill/reverse_kl_mu`` (what μ would have given), and their difference, the
-mismatch's share of the signal. Only response tokens the model sampled count (``mask``: prompt, padding and,
+signal trained on) and ``distill/reverse_kl_mu`` (what μ would have given), and ``distill/mismatch_share``,
+the part of the μ recipe's signal that is mismatch. Only response tokens the model sampled count (``mask``: prompt, padding and,
 in multi-turn episodes, tool and environment tokens are 0).
 """
 
