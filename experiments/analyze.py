@@ -101,6 +101,24 @@ def summarize(run: Path) -> dict:
     }
 
 
+def run_dirs(root: Path) -> list[Path]:
+    """The run directories under ``root`` (those with a metrics.jsonl), sorted by name."""
+    return sorted(p for p in Path(root).iterdir() if (p / "metrics.jsonl").exists())
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines."""
+    return ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |",
+            *["| " + " | ".join(r) + " |" for r in rows]]
+
+
+def insert_before_plots(out_md: Path, lines: list[str]) -> None:
+    """Put ``lines`` into a report this script wrote, before its plots."""
+    text = out_md.read_text()
+    cut = text.index("![")
+    out_md.write_text(text[:cut] + "\n".join(lines) + "\n" + text[cut:])
+
+
 def fmt(v, f):
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"

@@ -19,17 +19,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 from unison.data_io import read_metrics  # noqa: E402
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+from analyze import insert_before_plots, md_table, run_dirs  # noqa: E402  (experiments/analyze.py)
+
 KEYS = ("distill/reverse_kl_pi", "distill/reverse_kl_mu", "distill/mismatch_share")
-
-
-def _runs(root: Path):
-    return sorted(p for p in root.iterdir() if (p / "metrics.jsonl").exists())
 
 
 def signal_rows(root: Path) -> list[str]:
     head = ["run", *[f"{k.split('/')[1]} first 5 → last 5" for k in KEYS], "teacher time / step", "wall time"]
-    out = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    for run in _runs(root):
+    out = []
+    for run in run_dirs(root):
         rows = read_metrics(run / "metrics.jsonl")
 
         def span(key):
@@ -40,16 +39,15 @@ def signal_rows(root: Path) -> list[str]:
             return f"{sum(a) / len(a):.3g} → {sum(b) / len(b):.3g}"
         teacher = [r.get("time/teacher_s") for r in rows if r.get("time/teacher_s") is not None]
         wall = sum(r.get("time/step_s") or 0 for r in rows)
-        out.append("| " + " | ".join([run.name, *[span(k) for k in KEYS],
-                                      f"{sum(teacher) / len(teacher):.2f} s" if teacher else "–",
-                                      f"{wall:.0f} s"]) + " |")
-    return out
+        out.append([run.name, *[span(k) for k in KEYS], f"{sum(teacher) / len(teacher):.2f} s" if teacher else "–",
+                    f"{wall:.0f} s"])
+    return md_table(head, out)
 
 
 def wall_plot(root: Path, img: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {}
-    for run in _runs(root):
+    for run in run_dirs(root):
         arm = re.sub(r"-s\d+$", "", run.name)
         c = colors.setdefault(arm, f"C{len(colors)}")
         rows = read_metrics(run / "metrics.jsonl")
@@ -74,12 +72,9 @@ def main() -> None:
     subprocess.run([sys.executable, str(HERE.parent / "analyze.py"), str(root), str(out_md), "--title",
                     "On-policy distillation vs GRPO from a weak start", "--intro", str(HERE / "intro.md")],
                    check=True)
-    text = out_md.read_text()
-    cut = text.index("![")
     wall = wall_plot(root, out_md.parent / out_md.stem)
-    extra = ["## The distillation signal (student term from π_old, as trained, and from μ)", "",
-             *signal_rows(root), "", f"![reward vs wall time]({out_md.stem}/{wall.name})", ""]
-    out_md.write_text(text[:cut] + "\n".join(extra) + "\n" + text[cut:])
+    insert_before_plots(out_md, ["## The distillation signal (student term from π_old, as trained, and from μ)", "",
+                                 *signal_rows(root), "", f"![reward vs wall time]({out_md.stem}/{wall.name})", ""])
     print(out_md)
 
 
