@@ -104,6 +104,10 @@ CASES = {
         ["probe", "--precision", "fp32,fp8", "--out", str(e.out)], e.out, "set rollout.quantization=fp8"),
     "probe-unknown-engine": lambda e: (
         ["probe", "--engine", "sglang", "--out", str(e.out)], e.out, "unknown engine 'sglang'"),
+    "probe-locate-on-vllm": lambda e: (
+        ["probe", "--locate", "--engine", "vllm", "--out", str(e.out)], e.out, "--locate reads the engine's hidden"),
+    "probe-locate-rows-zero": lambda e: (
+        ["probe", "--locate", "--locate-rows", "0", "--out", str(e.out)], e.out, "--locate-rows 0"),
     "probe-missing-model-dir": lambda e: (
         ["probe", "--model", str(e.root / "nope"), "--out", str(e.out)], e.out, "nope' does not exist"),
     "probe-model-dir-without-config": lambda e: (

@@ -230,6 +230,23 @@ def test_mismatch_budget_follows_a_scripted_metric_by_hand():
     assert s.factor == 1.0  # capped at the base LR
 
 
+def test_mismatch_budget_that_starts_low_earns_its_lr_by_hand():
+    """train.mismatch_budget.start: f starts at 0.25 (the floor 0.1 below it) and rises ×2 while the metric stays
+    under half the target, falls ×0.5 above it."""
+    s = MismatchBudgetSchedule(1e-4, target=0.01, down=0.5, up=2.0, min_ratio=0.1, start=0.25)
+    lrs = []
+    for step, v in enumerate([0.001, 0.001, 0.02, 0.007, 0.02, 0.02], 1):
+        lrs.append(s.lr(step))
+        s.observe(step, {"mismatch/k3": v})
+    assert lrs == pytest.approx([1e-4 * f for f in (0.25, 0.5, 1.0, 0.5, 0.5, 0.25)])
+    assert s.factor == pytest.approx(0.125)
+    cfg = config_from_dict({}, ["train.schedule=mismatch_budget", "train.mismatch_budget.start=0.1"])
+    assert make_schedule(cfg.train).lr(1) == pytest.approx(1e-5)
+    assert make_schedule(config_from_dict({}, ["train.schedule=mismatch_budget"]).train).lr(1) == 1e-4  # default 1
+    with pytest.raises(UnisonError, match=r"train.mismatch_budget.start \(0.05\) is below its floor min_ratio"):
+        config_from_dict({}, ["train.mismatch_budget.start=0.05"])
+
+
 def test_mismatch_budget_config_metric_default_and_bad_input():
     cfg = config_from_dict({}, ["train.schedule=mismatch_budget"])
     assert make_schedule(cfg.train).metric == "mismatch/k3"

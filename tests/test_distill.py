@@ -75,7 +75,7 @@ def test_a_teacher_that_is_the_student_gives_zero_signal_from_pi_old_and_the_mis
     cfg = load_config(None, ["task.digits=1", "task.train_size=16", "task.eval_size=2", "rollout.n=2",
                              "rollout.max_new_tokens=4", "train.steps=2", "train.prompts_per_step=4",
                              "algo=opd", "distill.teacher=builtin:tiny", "rollout_precision=bf16",
-                             f"policy.anchor={anchor}",
+                             f"policy.anchor={anchor}", "mismatch.decompose_every=1",
                              "log.tensorboard=false", "log.console=false", "checkpoint.every=0"])
     lines = []
     Trainer(cfg, tmp_path / "r", log=lines.append).fit()
@@ -84,4 +84,28 @@ def test_a_teacher_that_is_the_student_gives_zero_signal_from_pi_old_and_the_mis
     first = rows[0]
     assert first["distill/reverse_kl_pi"] == 0.0
     assert abs(first["distill/reverse_kl_mu"]) > 1e-6 and first["distill/mismatch_share"] == 1.0
+    # the ledger's teacher term: the teacher's engine (fp32 prefill) against its fp32 scoring path — one model
+    assert all(0.0 <= r["ledger/teacher_k3"] < 1e-9 for r in rows)
     assert all(math.isfinite(r["policy/loss"]) for r in rows)
+
+
+def test_the_teacher_term_sees_a_generation_path_that_is_not_the_scoring_path(tiny_dir):
+    """The ledger's teacher term on a batch: 0 while the teacher's engine holds its weights, > 0 once the engine's
+    copy is perturbed (a served teacher that scores with other weights than it generates with)."""
+    from unison.batch import collate
+    from unison.models import load_tokenizer
+    from unison.rollout import SamplingParams, generate, make_engine
+    from unison.teacher import Teacher
+
+    cfg = load_config(None, ["distill.teacher=builtin:tiny"])
+    teacher = Teacher(cfg, load_tokenizer(tiny_dir))
+    eng = make_engine("native", tiny_dir, torch.float32, max_len=64)
+    batch = collate(generate(eng, [eng.tokenizer.encode("3+4=")], SamplingParams(n=3, max_tokens=8, seed=0)),
+                    eng.pad_id)
+    scored = teacher.scorer.score(batch)
+    same = teacher.path_term(batch, scored)
+    assert set(same) == {"ledger/teacher_k1", "ledger/teacher_k3"} and same["ledger/teacher_k3"] < 1e-9
+    with torch.no_grad():
+        w = teacher._engine.model.model.layers[1].mlp.down_proj.weight
+        w.add_(0.05 * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    assert teacher.path_term(batch, scored)["ledger/teacher_k3"] > 1e-7

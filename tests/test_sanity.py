@@ -156,6 +156,10 @@ def test_sanity_config_layers_defaults_yaml_and_overrides(tmp_path):
         sanity_config(None, ["train.lrr=1"])
 
 
+def broken_lr(run_dir):
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["optim/lr"]
+
+
 @pytest.mark.parametrize("regime,seeds,workers", [("stale", "0,1", "2"), ("int4", "0", "1")])
 def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, workers):
     """`unison demo` (make demo): the precision arms, then part 2's clean, broken and cured runs on two seeds, two
@@ -175,7 +179,7 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
     assert main(args) == 0
     assert sorted(p.name for p in (out / "precision" / "arms").iterdir()) == ["fp32-grpo"]
     names = {"int4": ["fp32-grpo", "fp32-int4-grpo-qat", "fp32-int4-grpo"],
-             "stale": ["fp32-grpo-k0", "fp32-grpo-k4-budget", "fp32-grpo-k4"]}[regime]
+             "stale": ["fp32-grpo-k0", "fp32-grpo-k4-tis-budget", "fp32-grpo-k4"]}[regime]
     seed_list = [int(x) for x in seeds.split(",")]
     assert sorted(p.name for p in (out / "collapse" / "arms").iterdir()) == sorted(f"{n}-s{s}" for n in names
                                                                                    for s in seed_list)
@@ -193,6 +197,7 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
             import yaml
 
             assert all("schedule/budget_factor" in r for r in cured)  # the LR follows the measured mismatch
+            assert cured[0]["optim/lr"] == pytest.approx(0.1 * broken_lr(arms / f"{names[2]}-s{s}"))  # from 0.1×
             broken_cfg = yaml.safe_load((arms / f"{names[2]}-s{s}" / "config.yaml").read_text())
             assert broken_cfg["rollout"]["max_staleness"] == 4
     if len(seed_list) == 2:
@@ -223,7 +228,7 @@ def test_demo_verdict_claims_a_cure_only_when_it_held_on_every_seed():
     assert verdict(cured_all) == ("on every seed (2/2) the int4 run collapsed, and computing the learner through the "
                                   "rollout's quantizer (train.quantization_aware=true) cured it (≥ 95% of the clean run)")
     assert verdict(cured_all, REGIMES["stale"]).startswith("on every seed (2/2) the K = 4 run collapsed, and the "
-                                                           "learning rate that follows the measured mismatch")
+                                                           "off-policy correction (Token-TIS) with the learning rate")
     some = [_seed(0, 0.88, 0.56, 0.87), _seed(1, 0.88, 0.56, 0.80)]  # 0.80 < 0.836: not cured on seed 1
     v = verdict(some)
     assert v.startswith("the int4 run collapsed on 2/2 seeds (0, 1); the quantization-aware run held on 1 of them (0)")
@@ -237,4 +242,4 @@ def test_demo_verdict_claims_a_cure_only_when_it_held_on_every_seed():
     both = [_seed(0, 0.88, 0.56, 0.60), _seed(1, 0.88, 0.50, 0.87)]  # seed 0: the cure fell too (0.60 < 0.704)
     v = verdict(both)
     assert "the quantization-aware run ended below 80% of the clean run as well on seed 0" in v and "held on 1 of them (1)" in v and "no cure is claimed" in v
-    assert "the mismatch-budget run held on 1 of them (1)" in verdict(both, REGIMES["stale"])
+    assert "the corrected run held on 1 of them (1)" in verdict(both, REGIMES["stale"])

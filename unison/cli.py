@@ -84,6 +84,13 @@ def _add_probe(sub) -> None:
     p.add_argument("--ledger", action="store_true",
                    help="the mismatch ledger of every arm: where its mismatch comes from (decode vs prefill, engine vs "
                         "learner, quantization, truncation, routing), terms that add up to the total (docs/ledger.md)")
+    p.add_argument("--locate", action="store_true",
+                   help="where the engine and the learner first part: every op's relative error (embed, norms, "
+                        "attention, MLP, each layer's output, head) on the same tokens, the first op above the "
+                        "rounding of the engine's dtype, and the full-vocabulary KL per position; OUT/locate.md and "
+                        "OUT/plots/locate.png (native engine)")
+    p.add_argument("--locate-rows", type=int, default=4,
+                   help="--locate: responses traced per arm (default: 4)")
     p.add_argument("--task", default=None,
                    help="a multi-turn task (calculator, guess_number, or a YAML config with one): run its first 8 items "
                         "as episodes (--max-new-tokens per turn) and add the tokenization drift of a loop that "
@@ -104,7 +111,8 @@ def cmd_probe(args) -> int:
                       param_dtypes=_csv(args.param_dtype), exact=args.exact,
                       quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
                       quantization_aware=args.quantization_aware, top_ps=_numbers(args.top_p, float, "--top-p"),
-                      top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger, task=args.task)
+                      top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger, task=args.task,
+                      locate=args.locate, locate_rows=args.locate_rows)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")
@@ -123,6 +131,10 @@ def cmd_probe(args) -> int:
         from unison.probe import format_ledger
 
         console.print(format_ledger(out["results"]))
+    if cfg.locate:
+        from unison.locate import format_locate
+
+        console.print(format_locate(out["results"]))
     by = {(r["engine"], r["precision"]): r for r in out["results"]
           if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"] and r["quantization"] == "none"
           and r["top_p"] == 1.0 and not r["top_k"]}

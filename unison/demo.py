@@ -3,10 +3,11 @@
 1. Paper A's sanity test, shortened: the same GRPO run once per precision (fp16, bf16, fp32) — the
    mismatch each precision causes (token k3), and that at this scale none of them decides the outcome.
 2. A run the mismatch breaks, and the same run with its cure, **on two seeds** (``REGIMES``): by default samples
-   4 policy versions old (``rollout.max_staleness: 4``) with the LR that follows the measured mismatch
-   (``train.schedule: mismatch_budget``) as the cure; ``--regime int4``: int4 rollout weights with the
+   4 policy versions old (``rollout.max_staleness: 4``), cured by Token-TIS with the LR that follows the measured
+   mismatch (``train.schedule: mismatch_budget`` from 0.1× of the LR); ``--regime int4``: int4 rollout weights with the
    quantization-aware learner (``train.quantization_aware: true``: π is the policy μ samples from). The clean run
-   is beside them. docs/experiments/demo_recipe.md: neither cure held on 6 seeds within 30 steps.
+   is beside them. docs/experiments/demo_recipe.md: the stale regime with its cure held on 6 seeds within 30 steps;
+   the int4 regime's did not.
 3. One report: both tables, part 2 per seed and its mean, the curves, each run's mismatch ledger, and one
    line saying what was seen on every seed — a cure is claimed only when it held on all of them.
 
@@ -61,6 +62,12 @@ class Regime:
 
 
 STALE = {"rollout": {"max_staleness": 4}}
+#: the stale regime's cure (docs/experiments/demo_recipe.md, 6 seeds): Token-TIS, the off-policy correction
+#: (grpo_token_tis: each token weighted by min(π_old/μ, 2)), with the mismatch-budget LR that starts at 0.1× and earns
+#: its LR while the staleness k3 stays under half of 3e-3 — the default budget (full LR from step 1, target 1e-2)
+#: reacts only after the first updates on stale samples have broken the run, and the budget alone held 5/6 seeds
+STALE_CURE = {**{"rollout": {"max_staleness": 4}}, "algo": "grpo_token_tis",
+              "train": {"schedule": "mismatch_budget", "mismatch_budget": {"start": 0.1, "target": 3e-3}}}
 REGIMES = {
     # samples 4 policy versions old (the native engine runs ahead in a worker process), and Paper B's cure: the LR
     # follows the measured mismatch (docs/lr-schedule.md) — the pick of docs/experiments/demo_recipe.md
@@ -68,11 +75,12 @@ REGIMES = {
         recipe=["train.micro_batch_tokens=4096", "mismatch.decompose_every=5", "rollout.worker_threads=1"],
         arms={"clean": ("clean: fresh samples (K = 0)", "none", ("-k0", {"rollout": {"max_staleness": 0}})),
               "broken": ("samples 4 versions old, GRPO", "none", ("-k4", STALE)),
-              "cured": ("samples 4 versions old + mismatch-budget LR", "none",
-                        ("-k4-budget", {**STALE, "train": {"schedule": "mismatch_budget"}}))},
+              "cured": ("samples 4 versions old + Token-TIS + mismatch-budget LR", "none",
+                        ("-k4-tis-budget", STALE_CURE))},
         title="samples 4 policy versions old", broken="the K = 4 run",
-        cure="the learning rate that follows the measured mismatch (train.schedule=mismatch_budget) cured it",
-        cure_run="the mismatch-budget run", term="staleness"),
+        cure="the off-policy correction (Token-TIS) with the learning rate that follows the measured mismatch "
+             "(train.schedule=mismatch_budget from 0.1× of the LR, staleness k3 target 3e-3) cured it",
+        cure_run="the corrected run", term="staleness"),
     # int4 rollout weights, and the quantization-aware learner (π is the policy μ samples from)
     "int4": Regime(
         recipe=[],

@@ -50,7 +50,44 @@ def probe_plots(results: list[dict], samples: list[dict], plot_dir: Path) -> lis
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(_save(fig, plot_dir / "seq_log_ratio_vs_length.png"))
+    located = [(f"{r['engine']}/{r['precision']}" + ("" if r.get("quantization", "none") == "none"
+                                                      else f"/{r['quantization']}"), r["locate"])
+               for r in results if r.get("locate")]
+    if located:
+        paths.append(locate_plot(located, plot_dir))
     return paths
+
+
+def locate_plot(located: list[tuple[str, dict]], plot_dir: Path) -> Path:
+    """``probe --locate``: each arm's relative error op by op (its rounding line dashed, the first op above it
+    marked), and the full-vocabulary KL(μ ‖ π) by position in the response."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [2.2, 1]})
+    for label, loc in located:
+        ops = loc["ops"]
+        err = np.asarray([max(o["rel_error"], 1e-12) for o in ops])
+        line, = ax.plot(np.arange(len(ops)), err, lw=1.2, marker=".", ms=3, label=f"{label} (line {loc['rounding_line']:.1g})")
+        ax.axhline(loc["rounding_line"], color=line.get_color(), lw=0.8, ls="--")
+        if loc["first_above"] is not None:
+            i = [o["op"] for o in ops].index(loc["first_above"])
+            ax.annotate(loc["first_above"], (i, err[i]), textcoords="offset points", xytext=(4, 6), fontsize=8,
+                        color=line.get_color())
+            ax.plot([i], [err[i]], marker="o", ms=6, mfc="none", color=line.get_color())
+        kl = np.asarray(loc["full_kl_by_position"], dtype=float)
+        bx.plot(np.arange(len(kl)), np.maximum(kl, 1e-12), lw=1.2, label=label)
+    names = [o["op"] for o in located[0][1]["ops"]]
+    ticks = [i for i, n in enumerate(names) if not n.startswith("L") or n.endswith(".out")]
+    step = max(1, len(ticks) // 16)
+    ax.set_xticks([ticks[i] for i in range(0, len(ticks), step)])
+    ax.set_xticklabels([names[ticks[i]] for i in range(0, len(ticks), step)], rotation=60, fontsize=7)
+    ax.set_yscale("log"), bx.set_yscale("log")
+    ax.set_ylabel("‖h_engine − h_learner‖ / ‖h_learner‖")
+    ax.set_title("where the engine and the learner part (dashed: 4 unit roundoffs of the engine's dtype)", fontsize=9)
+    ax.legend(fontsize=7), ax.grid(alpha=0.3)
+    bx.set_xlabel("position in the response"), bx.set_ylabel("KL(μ ‖ π), full vocabulary")
+    bx.set_title("full-vocabulary KL by position", fontsize=9)
+    bx.legend(fontsize=7), bx.grid(alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, plot_dir / "locate.png")
 
 
 def _save(fig, path: Path) -> Path:

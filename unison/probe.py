@@ -62,6 +62,10 @@ class ProbeConfig:
     #: its first items are run as episodes instead of the prompts, and every row adds the tokenization
     #: drift of a re-tokenizing loop (mismatch/retokenize_*, unison/retokenize.py)
     task: str | None = None
+    #: where the engine and the learner part (unison/locate.py): every op's relative error and the full-vocabulary
+    #: KL per position, on the first ``locate_rows`` responses of each native arm
+    locate: bool = False
+    locate_rows: int = 4
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -148,6 +152,9 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
         if q != "none" and engines != ["native"]:
             raise UnisonError(f"--quantization {q} runs on the native engine (vLLM quantizes only on GPUs, as "
                               f"`rollout.quantization: fp8` in training): use --engine native")
+    if cfg.locate and engines != ["native"]:
+        raise UnisonError("--locate reads the engine's hidden states layer by layer, which only the native engine "
+                          "exposes (vLLM keeps them inside its model runner): use --engine native")
     for e in engines:
         check_engine_available(e)
     if not precisions:
@@ -170,6 +177,8 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     if cfg.ledger and engines != ["native"]:
         raise UnisonError("--ledger needs an engine that re-scores its own samples in a prefill pass (its decode "
                           "term), and only the native engine does for unison: use --engine native")
+    if cfg.locate and cfg.locate_rows < 1:
+        raise UnisonError(f"--locate-rows {cfg.locate_rows}: trace at least 1 response")
     if cfg.quantization_aware and quantizations == ["none"]:
         raise UnisonError("--quantization-aware scores quantized arms through the quantizer: add a format with "
                           "--quantization fp8, int8 or int4")
@@ -205,6 +214,11 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
                     f"{source}:{line}: the prompt has {len(ids)} tokens; with --max-new-tokens "
                     f"{cfg.max_new_tokens} that exceeds the model's context of {limit} "
                     f"(max_position_embeddings): shorten or drop that prompt, or lower --max-new-tokens")
+    if cfg.locate:  # the ops it reads exist in this architecture, before anything is sampled
+        from unison.locate import check_locatable
+        from unison.models import model_shell
+
+        check_locatable(model_shell(model_dir))
     if any(q != "none" for q in quantizations):  # int4 group size vs this model's weights, before sampling
         from unison.models import model_shell
         from unison.quant import check_targets
@@ -282,6 +296,12 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             t_roll = time.perf_counter() - t0
             batch = collate(completions, pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
             rescored = engine.score(batch, params) if cfg.ledger and not exact else None  # the decode term
+            traced = None
+            if cfg.locate and not exact:  # the engine's side of --locate, before the engine closes
+                from unison import locate
+
+                traced = batch.select(list(range(min(cfg.locate_rows, batch.size))))
+                engine_ops = locate.engine_trace(engine, traced, cfg.temperature)
         finally:
             engine.close()
             del engine
@@ -354,6 +374,15 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             timings.append({"engine": engine_name, "precision": prec.label, "quantization": quant, "rollout_s": t_roll,
                             "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
                             "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
+        if traced is not None:  # --locate, against the plain learner in the arm's compute dtype
+            scorer.cast_params, scorer.qat = False, None
+            found = locate.compare(engine_ops, locate.learner_trace(scorer, traced, cfg.temperature), traced,
+                                   prec.rollout_dtype, len(scorer.model.model.layers))
+            results[len(results) - len(variants)]["locate"] = found
+            log(f"[probe] {label}: engine and learner first part at "
+                f"{found['first_above'] or 'no op (every op within its rounding)'}; full-vocabulary KL "
+                f"{found['full_kl_mean']:.3g} per position (max {found['full_kl_max']:.3g})")
+            del engine_ops
         if rescored is not None:  # the ledger, against the arm's first row: the plain learner (no QAT, no replay)
             results[len(results) - len(variants)].update(
                 _ledger(scorer, batch, rescored, quant, truncated, cfg, quantizer(scorer, quant) if quant != "none" else None,
@@ -392,6 +421,10 @@ def write_outputs(out: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"results": out["results"], "config": out["config"]}
     written = [atomic_write_text(out_dir / "probe.json", json.dumps(payload, indent=2) + "\n")]
+    if any(r.get("locate") for r in out["results"]):
+        from unison.locate import locate_markdown
+
+        written.append(atomic_write_text(out_dir / "locate.md", locate_markdown(out["results"])))
     written += probe_plots(out["results"], out["samples"], out_dir / "plots")
     return written
 

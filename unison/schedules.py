@@ -186,7 +186,7 @@ class MismatchBudgetSchedule(LRSchedule):
         f unchanged                    otherwise (and when m_t is missing or not finite)
 
     and step t + 1 runs at η = η0 · f (times the linear warm-up factor during ``warmup_steps``).
-    f starts at 1. ``schedule/budget_state`` is −1 / 0 / +1 (lowered / held / raised),
+    f starts at ``start`` (1: the full LR). ``schedule/budget_state`` is −1 / 0 / +1 (lowered / held / raised),
     ``schedule/budget_factor`` is f after the step; both are checkpointed, so a resumed run keeps its LR.
     A step whose metrics lack ``metric`` (or hold a non-finite value) holds f and says so:
     ``schedule/budget_missing`` 1 (and ``missing_steps`` counts them, checkpointed): a held budget is never
@@ -194,10 +194,11 @@ class MismatchBudgetSchedule(LRSchedule):
     """
 
     def __init__(self, base_lr: float, warmup_steps: int = 0, metric: str = "mismatch/k3",
-                 target: float = 1e-2, down: float = 0.7, up: float = 1.1, min_ratio: float = 0.1):
+                 target: float = 1e-2, down: float = 0.7, up: float = 1.1, min_ratio: float = 0.1,
+                 start: float = 1.0):
         super().__init__("mismatch_budget", base_lr, 0, warmup_steps)
         self.metric, self.target, self.down, self.up, self.min_ratio = metric, target, down, up, min_ratio
-        self.factor, self.state, self.missing_steps = 1.0, 0, 0
+        self.factor, self.state, self.missing_steps = start, 0, 0
 
     def lr(self, step: int) -> float:
         w = self.warmup_lr(step)
@@ -232,7 +233,7 @@ def make_schedule(train_cfg, asynchronous: bool = False) -> LRSchedule:
         b = train_cfg.mismatch_budget
         metric = b.metric or ("mismatch/staleness_k3" if asynchronous else "mismatch/k3")
         return MismatchBudgetSchedule(train_cfg.lr, train_cfg.warmup_steps, metric, b.target, b.down, b.up,
-                                      b.min_ratio)
+                                      b.min_ratio, b.start)
     if train_cfg.schedule == "surge_decay":
         s = train_cfg.surge
         if s.detector == "baseline_ratio":

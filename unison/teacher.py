@@ -38,16 +38,42 @@ class Teacher:
                              micro_batch_tokens=cfg.train.micro_batch_tokens,
                              replay_sampling_mask=cfg.rollout.replay_sampling_mask)
         self.scorer.model.requires_grad_(False)
+        self.temperature = cfg.rollout.temperature
+        self._engine = None  # the teacher's generation path, built the first time the ledger measures it
 
-    def advantages(self, batch, learner, scored_old: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def path_term(self, batch, teacher: torch.Tensor) -> dict[str, float]:
+        """The mismatch ledger's ``teacher`` term: the teacher's generation path — the native engine over its
+        weights, the prefill pass its decode is checked against (the ledger's decode term) — against the scoring
+        path the advantages used (``teacher``, log π_teacher). k1 and k3 of log π_teacher against the engine's
+        log-probabilities, over the model's response tokens; outside the log μ → log π chain (its own terms add
+        up to mismatch/k1 without it). A teacher served in another engine would put its own difference here
+        (e.g. an adapter dropped from a scoring endpoint). One process only: a sharded teacher has no engine."""
+        from unison.mismatch import k1, k3
+        from unison.rollout import SamplingParams
+        from unison.rollout.native import NativeEngine
+
+        if self.scorer.sharded:
+            return {}
+        if self._engine is None:
+            self._engine = NativeEngine(self.model_dir, torch.float32, device=str(self.scorer.device))
+        gen = self._engine.score(batch, SamplingParams(temperature=self.temperature))
+        mask = batch.response_mask
+        return {"ledger/teacher_k1": float(k1(teacher, gen, mask)), "ledger/teacher_k3": float(k3(teacher, gen, mask))}
+
+    def advantages(self, batch, learner, scored_old: torch.Tensor | None,
+                   measure_path: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
         """[B, L] per-token advantages for ``batch`` (its ``advantages`` [B], the task's, are added with
         ``distill.task_reward``) and the ``distill/*`` metrics. The student term is the learner's own score:
         ``scored_old`` when the step's score pass made it, else one score pass here — never log μ, which is
-        what ``batch.logp_old`` holds under ``policy.anchor: bypass``."""
+        what ``batch.logp_old`` holds under ``policy.anchor: bypass``. ``measure_path``: add the ledger's
+        ``teacher`` term (:meth:`path_term`)."""
         with torch.no_grad():
             teacher = self.scorer.score(batch)
             student = scored_old if scored_old is not None else learner.score(batch)
         mask = batch.response_mask
         adv = reverse_kl_advantages(student, teacher, mask, self.coef,
                                     batch.advantages if self.task_reward else None)
-        return adv, reverse_kl_metrics(student, batch.logp_mu, teacher, mask)
+        metrics = reverse_kl_metrics(student, batch.logp_mu, teacher, mask)
+        if measure_path:
+            metrics.update(self.path_term(batch, teacher))
+        return adv, metrics

@@ -175,7 +175,8 @@ class Trainer:
         if self.teacher is not None:                                   #    distillation: per-token advantages
             with timed("time/teacher_s", t):                           #    from the teacher and π_old
                 scored = batch.logp_old if self.anchor == "score" else None  # bypass: μ, not the learner's
-                batch.advantages, dmetrics = self.teacher.advantages(batch, self.learner, scored)
+                batch.advantages, dmetrics = self.teacher.advantages(batch, self.learner, scored,
+                                                                     measure_path=self.mismatch.ledger_due(step))
             metrics.update({**dmetrics, "time/teacher_s": t["time/teacher_s"]})
         if batch.logp_old is not None:                                 # 4. correction weights, once
             weights, cmetrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)

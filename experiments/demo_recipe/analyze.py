@@ -26,9 +26,21 @@ from unison.data_io import read_metrics  # noqa: E402
 WIN, BROKEN, CURED = 10, 0.80, 0.95
 REPORT = "experiments/demo_recipe.md"
 ARM = re.compile(r"^(clean|int4|qat)-lr([0-9.e-]+)(?:-g(\d+))?-sft(\d+)$")
-#: run_stale.sh's arms: K = 0 clean, K = 4 naive (broken), K = 4 + mismatch-budget LR (cure)
-STALE_ARM = re.compile(r"^stale-(clean|broken|cure)-k\w+-lr([0-9.e-]+)-sft(\d+)$")
+#: run_stale.sh's arms: K = 0 clean, K = 4 naive (broken), K = 4 + a cure (its variant named after "cure-")
+STALE_ARM = re.compile(r"^stale-(clean|broken|cure)-(k[\w.-]*?)-lr([0-9.e-]+)-sft(\d+)$")
 STALE = "stale"
+#: the stale cures run_stale.sh runs: variant -> what the regime column says
+STALE_CURES = {
+    "k4budget": "mismatch_budget LR (defaults)",
+    "k4budget-down0.5": "mismatch_budget LR, down 0.5",
+    "k4budget-warmup10": "mismatch_budget LR + 10 warm-up steps",
+    "k4warmup10": "10 warm-up steps alone (control)",
+    "k4lr3e-5": "constant LR 3e-5 (control)",
+    "k4budget-start0.1": "mismatch_budget LR, start 0.1",
+    "k4budget-start0.1-target3e-3": "mismatch_budget LR, start 0.1, target 3e-3",
+    "k4budget-start0.1-target3e-3-tis": "mismatch_budget LR, start 0.1, target 3e-3 + Token-TIS (grpo_token_tis)",
+    "k4budget-start0.1-target3e-3-icepop": "mismatch_budget LR, start 0.1, target 3e-3 + IcePop (grpo_icepop)",
+}
 
 
 def tail(rows, key="reward/mean", n=WIN):
@@ -58,21 +70,30 @@ def candidates(root: Path) -> dict[tuple, dict]:
             continue
         key = (lr, group, sft)
         out.setdefault(key, {"clean": arms.get(("clean", lr, None, sft), {})})[kind] = seeds
-    for d in sorted(root.iterdir()):  # the stale regime: its kinds in the int4 regime's places
+    stale = {}  # the stale regime: its kinds in the int4 regime's places, clean and broken shared by every cure
+    for d in sorted(root.iterdir()):
         m = STALE_ARM.match(d.name)
         if m:
-            out.setdefault((m[2], STALE, m[3]), {})[{"clean": "clean", "broken": "int4", "cure": "qat"}[m[1]]] = runs(d)
+            stale[(m[1], m[2] if m[1] == "cure" else None, m[3], m[4])] = runs(d)
+    for (kind, variant, lr, sft), seeds in stale.items():
+        if kind == "cure":
+            out[(lr, f"{STALE}:{variant}", sft)] = {"clean": stale.get(("clean", None, lr, sft), {}),
+                                                    "int4": stale.get(("broken", None, lr, sft), {}), "qat": seeds}
     return out
 
 
 def regime(group) -> str:
-    return "K = 4 stale, GRPO; cure: mismatch_budget LR" if group == STALE else f"int4 g{group}, GRPO; cure: QAT"
+    if str(group).startswith(STALE):
+        variant = group.split(":", 1)[1]
+        return f"K = 4 stale, GRPO; cure: {STALE_CURES.get(variant, variant)}"
+    return f"int4 g{group}, GRPO; cure: QAT"
 
 
 def judge(c: dict) -> dict:
     """Per seed that has all three arms (a candidate stopped early: the seeds with a clean and an int4 run)."""
     c = {"qat": {}, **c}
     seeds = sorted(set(c.get("clean", {})) & set(c.get("int4", {})) & (set(c["qat"]) or set(c.get("int4", {}))))
+    screened = bool(c["qat"]) and len(c["qat"]) < 6  # a cure screened on a few seeds first
     per = []
     for s in seeds:
         clean, broken = tail(c["clean"][s]), tail(c["int4"][s])
@@ -86,7 +107,7 @@ def judge(c: dict) -> dict:
         return {"seeds": per, "n": n, "collapsed": sum(p["collapsed"] for p in per), "cured": 0, "passes": False,
                 "stopped": True}
     return {"seeds": per, "n": n, "collapsed": sum(p["collapsed"] for p in per),
-            "cured": sum(p["cured"] for p in per),
+            "cured": sum(p["cured"] for p in per), "screened": screened,
             "passes": n >= 6 and sum(p["collapsed"] for p in per) >= n - 1 and all(p["cured"] for p in per)}
 
 
@@ -118,14 +139,24 @@ def main(root: Path, docs: Path) -> Path:
              "AMX), torch 2.13.0.", "",
              "| lr | regime | SFT steps | seeds | clean | broken | cure | collapsed (< 80% clean) "
              "| cured (≥ 95% clean) | passes |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (lr, group, sft), j in sorted(judged.items(), key=lambda kv: (kv[0][1] == STALE, float(kv[0][0]),
-                                                                      str(kv[0][1]), int(kv[0][2]))):
+    for (lr, group, sft), j in sorted(judged.items(), key=lambda kv: (str(kv[0][1]).startswith(STALE),
+                                                                      float(kv[0][0]), str(kv[0][1]), int(kv[0][2]))):
         p = j["seeds"]
         cured = "—" if j.get("stopped") else f"{j['cured']}/{j['n']}"
-        verdict = "stopped" if j.get("stopped") else "yes" if j["passes"] else "no"
+        verdict = "stopped" if j.get("stopped") else "yes" if j["passes"] else \
+            ("screened: failed" if not all(x["cured"] for x in p) else "screened") if j.get("screened") else "no"
         lines.append(f"| {lr} | {regime(group)} | {sft} | {j['n']} | {fmt_mean([x['clean'] for x in p])} | "
                      f"{fmt_mean([x['int4'] for x in p])} | {fmt_mean([x['qat'] for x in p])} | "
                      f"{j['collapsed']}/{j['n']} | {cured} | {verdict} |")
+    lines += ["", "Every seed of every candidate (last-10 training accuracy; the cure's share of the clean run):", "",
+              "| candidate | seed | clean | broken | cure | cure / clean |", "| --- | --- | --- | --- | --- | --- |"]
+    for (lr, group, sft), j in sorted(judged.items(), key=lambda kv: (str(kv[0][1]), float(kv[0][0]), int(kv[0][2]))):
+        for x in j["seeds"]:
+            if x["qat"] != x["qat"]:  # a cure still running, or stopped before this seed
+                continue
+            share = f"{x['qat'] / x['clean']:.1%}"
+            lines.append(f"| lr {lr}, {regime(group)}, SFT {sft} | {x['seed']} | {x['clean']:.3f} | {x['int4']:.3f} | "
+                         f"{x['qat']:.3f} | {share} |")
     passing = [k for k, j in judged.items() if j["passes"]]
     complete = {k: j for k, j in judged.items() if not j.get("stopped")}
     # the pick: a passing candidate with the widest margin (smallest int4/clean, then largest qat/clean)
@@ -146,7 +177,7 @@ def main(root: Path, docs: Path) -> Path:
                   "| --- | --- | --- | --- | --- | --- |"]
         for x in j["seeds"]:
             lines.append(f"| {x['seed']} | {x['clean']:.3f} | {x['int4_start']:.3f} → {x['int4']:.3f} | "
-                         f"{x['int4'] / x['clean']:.0%} | {x['qat']:.3f} | {x['qat'] / x['clean']:.0%} |")
+                         f"{x['int4'] / x['clean']:.0%} | {x['qat']:.3f} | {x['qat'] / x['clean']:.1%} |")
         plots = docs / "experiments" / "demo_recipe"
         plots.mkdir(parents=True, exist_ok=True)
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -1,7 +1,10 @@
 """docs/experiments/distillation.md from runs/distillation/: the shared tables and curves
 (experiments/analyze.py), the distillation signal per run, and accuracy against wall time.
 
-    python experiments/distillation/analyze.py runs/distillation docs/experiments/distillation.md
+    python experiments/distillation/analyze.py runs/distillation docs/experiments/distillation.md [SELF_DIR]
+
+SELF_DIR (default runs/distill_smollm2_self, from experiments/distillation/smollm2_self.sh): SmolLM2 as its own
+teacher, one table per step, when it is there.
 """
 
 from __future__ import annotations
@@ -67,14 +70,43 @@ def wall_plot(root: Path, img: Path) -> Path:
     return path
 
 
+SELF_ARMS = {"bf16": "student bf16 in both engines (μ and π_old), teacher fp32",
+             "bf16-rollout": "student sampler bf16, learner fp32 (π_old in the teacher's numerics), teacher fp32"}
+
+
+def self_teacher_rows(root: Path) -> list[str]:
+    """SmolLM2 as its own teacher: per arm and step, the reverse KL from π_old (trained on) and from μ, the
+    mismatch's share of the μ recipe's signal, the ledger's teacher term and the sampler's token k3."""
+    head = ["arm", "step", "reverse_kl_pi", "reverse_kl_mu", "mismatch_share", "ledger teacher k3",
+            "token k3 (μ vs π_old)", "teacher time"]
+    out = []
+    for arm, what in SELF_ARMS.items():
+        path = root / arm / "metrics.jsonl"
+        if not path.exists():
+            continue
+        for r in read_metrics(path):
+            out.append([f"{arm}: {what}" if r["step"] == 1 else "", str(r["step"]),
+                        f"{r['distill/reverse_kl_pi']:.3g}", f"{r['distill/reverse_kl_mu']:.3g}",
+                        f"{r['distill/mismatch_share']:.3g}",
+                        f"{r['ledger/teacher_k3']:.2g}" if "ledger/teacher_k3" in r else "–",
+                        f"{r['mismatch/k3']:.2g}", f"{r['time/teacher_s']:.0f} s"])
+    return md_table(head, out) if out else []
+
+
 def main() -> None:
     root, out_md = Path(sys.argv[1]), Path(sys.argv[2])
     subprocess.run([sys.executable, str(HERE.parent / "analyze.py"), str(root), str(out_md), "--title",
                     "On-policy distillation vs GRPO from a weak start", "--intro", str(HERE / "intro.md")],
                    check=True)
     wall = wall_plot(root, out_md.parent / out_md.stem)
-    insert_before_plots(out_md, ["## The distillation signal (student term from π_old, as trained, and from μ)", "",
-                                 *signal_rows(root), "", f"![reward vs wall time]({out_md.stem}/{wall.name})", ""])
+    lines = ["## The distillation signal (student term from π_old, as trained, and from μ)", "",
+             *signal_rows(root), "", f"![reward vs wall time]({out_md.stem}/{wall.name})", ""]
+    self_dir = Path(sys.argv[3]) if len(sys.argv) > 3 else Path("runs/distill_smollm2_self")
+    rows = self_teacher_rows(self_dir)
+    if rows:
+        lines = ["## SmolLM2 as its own teacher (the mismatch columns)", "",
+                 (HERE / "smollm2_self.md").read_text().rstrip(), "", *rows, ""] + lines
+    insert_before_plots(out_md, lines)
     print(out_md)
 
 

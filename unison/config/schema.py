@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from unison.config.values import parse_engine, parse_gemm, parse_precision, parse_threads
 
@@ -222,7 +222,7 @@ class SurgeConfig(_Section):
 class MismatchBudgetConfig(_Section):
     """``train.schedule: mismatch_budget`` (docs/lr-schedule.md): after each step the LR factor f is
     multiplied by ``down`` when the metric is above ``target``, by ``up`` (f capped at 1, the base LR)
-    when it is below half of it; η = train.lr · f, never below ``min_ratio`` · train.lr."""
+    when it is below half of it; η = train.lr · f, never below ``min_ratio`` · train.lr. f starts at ``start``."""
 
     #: the metric watched; null = mismatch/k3, or mismatch/staleness_k3 when rollout.max_staleness ≥ 1
     #: (then measured every step instead of every mismatch.decompose_every)
@@ -235,6 +235,10 @@ class MismatchBudgetConfig(_Section):
     up: float = Field(1.1, gt=0)
     #: the LR floor as a fraction of train.lr
     min_ratio: float = Field(0.1, gt=0, le=1)
+    #: f at step 1: 1 = the full LR from the start; lower = the run earns its LR (f rises by ``up`` each step the
+    #: metric stays below half the target), so the first updates — made before any mismatch can be measured on
+    #: samples they produced — are small (docs/experiments/demo_recipe.md: what K = 4 staleness needs)
+    start: float = Field(1.0, gt=0, le=1)
 
     @field_validator("down")
     @classmethod
@@ -249,6 +253,13 @@ class MismatchBudgetConfig(_Section):
         if v <= 1:
             raise ValueError(f"train.mismatch_budget.up must be above 1 (it raises the LR back), got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _start(self):
+        if self.start < self.min_ratio:
+            raise ValueError(f"train.mismatch_budget.start ({self.start}) is below its floor min_ratio "
+                             f"({self.min_ratio}): raise start or lower min_ratio")
+        return self
 
 
 class TrainConfig(_Section):

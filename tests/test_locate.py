@@ -1,0 +1,107 @@
+"""``unison probe --locate`` (unison/locate.py): where the engine and the learner first part."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from unison import locate
+from unison.batch import collate
+from unison.errors import UnisonError
+from unison.learner import Learner
+from unison.rollout import SamplingParams, generate, make_engine
+
+
+def test_compare_on_hand_numbers():
+    """No layers: embed, norm, head. embed differs by 0.5 in one of (3, 4): relative error 0.5 / 5 = 0.1; norm
+    agrees; the head: μ = (0.75, 0.25) against π = (0.5, 0.5): KL(μ‖π) = 0.75 ln 1.5 + 0.25 ln 0.5 = 0.130812 and
+    the probabilities' relative error ‖(0.25, −0.25)‖ / ‖(0.5, 0.5)‖ = 0.5."""
+    batch = SimpleNamespace(response_mask=torch.tensor([[0, 1]]))  # position 0 predicts the response token
+    lrn = {"embed": torch.tensor([[3.0, 4.0]]), "norm": torch.tensor([[1.0, 2.0]]),
+           "head": torch.tensor([[0.5, 0.5]]).log()}
+    eng = {"embed": torch.tensor([[3.0, 4.5]]), "norm": torch.tensor([[1.0, 2.0]]),
+           "head": torch.tensor([[0.75, 0.25]]).log()}
+    out = locate.compare(eng, lrn, batch, torch.bfloat16, num_layers=0)
+    err = {o["op"]: o["rel_error"] for o in out["ops"]}
+    assert err["embed"] == pytest.approx(0.1) and err["norm"] == 0.0 and err["head"] == pytest.approx(0.5)
+    assert out["rounding_line"] == 4 * 2.0 ** -8
+    assert out["first_above"] == "embed"
+    kl = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    assert out["full_kl_mean"] == pytest.approx(kl, rel=1e-6) and out["full_kl_by_position"] == pytest.approx([kl])
+
+
+def test_op_names_follow_the_forward():
+    assert locate.op_names(1) == ["embed", "L0.attn_norm", "L0.attn", "L0.mlp_norm", "L0.mlp", "L0.out", "norm",
+                                  "head"]
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_dir):
+    engine = make_engine("native", tiny_dir, torch.float32, max_len=64)
+    prompts = [engine.tokenizer.encode("12+34="), engine.tokenizer.encode("7+8=")]
+    batch = collate(generate(engine, prompts, SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=0)),
+                    engine.pad_id)
+    return engine, batch
+
+
+@pytest.mark.parametrize("where,op", [(lambda m: m.model.layers[2].mlp.down_proj.weight, "L2.mlp"),
+                                      (lambda m: m.model.layers[1].self_attn.o_proj.weight, "L1.attn"),
+                                      (lambda m: m.model.layers[3].input_layernorm.weight, "L3.attn_norm")])
+def test_a_perturbed_layer_is_named(tiny_dir, sampled, where, op):
+    """fp32 on both sides agrees exactly on the tiny model; one weight of the engine's copy perturbed by 1e-3 of
+    its scale: every op before it stays within the rounding line, the perturbed op is the first above it, and the
+    error reaches the head."""
+    engine, batch = sampled
+    learner = Learner(tiny_dir)
+    w = where(engine.model)
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.add_(1e-3 * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+        out = locate.locate(engine, learner, batch, 1.0, torch.float32)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    names = [o["op"] for o in out["ops"]]
+    assert out["first_above"] == op
+    before = out["ops"][:names.index(op)]
+    assert all(o["rel_error"] <= out["rounding_line"] for o in before)
+    assert out["ops"][-1]["above"] and out["full_kl_mean"] > 0
+
+
+def test_unperturbed_fp32_is_exact_and_bf16_parts_later(tiny_dir, sampled):
+    engine, batch = sampled
+    learner = Learner(tiny_dir)
+    same = locate.locate(engine, learner, batch, 1.0, torch.float32)
+    assert same["first_above"] is None and all(o["rel_error"] == 0.0 for o in same["ops"])
+    assert same["full_kl_mean"] == 0.0
+    bf = make_engine("native", tiny_dir, torch.bfloat16, max_len=64)
+    learner.compute_dtype = torch.bfloat16
+    out = locate.locate(bf, learner, batch, 1.0, torch.bfloat16)
+    err = {o["op"]: o["rel_error"] for o in out["ops"]}
+    assert 0 < err["embed"] <= 2.0 ** -8  # the embedding table rounded to bf16: at most one rounding
+    assert out["full_kl_mean"] > 0 and len(out["full_kl_by_position"]) == int(batch.response_lens.max())
+
+
+def test_refuses_what_it_cannot_read():
+    with pytest.raises(UnisonError, match="dense Llama-family decoder"):
+        locate.check_locatable(SimpleNamespace(model=SimpleNamespace(), config=SimpleNamespace(model_type="gpt2")))
+    with pytest.raises(UnisonError, match="only the native engine"):
+        locate.engine_trace(SimpleNamespace(name="vllm"), None, 1.0)
+
+
+def test_probe_locate_writes_table_and_plot(tmp_path, tiny_dir):
+    from unison.cli import main
+
+    out = tmp_path / "p"
+    assert main(["probe", "--precision", "fp32,bf16", "--quantization", "none,int4", "--locate", "--locate-rows", "2",
+                 "--n", "1", "--max-new-tokens", "12", "--out", str(out)]) == 0
+    results = json.loads((out / "probe.json").read_text())["results"]
+    located = {(r["precision"], r["quantization"]): r["locate"] for r in results}
+    assert located[("fp32", "none")]["first_above"] is None
+    assert located[("bf16", "int4")]["first_above"] == "L0.attn"  # the first quantized linear layer's output
+    md = (out / "locate.md").read_text()
+    assert "| first op above | none |" in md and "L0.attn" in md
+    assert (out / "plots" / "locate.png").stat().st_size > 10_000

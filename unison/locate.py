@@ -1,0 +1,239 @@
+"""``unison probe --locate``: where in the network the rollout engine and the learner first part.
+
+For one batch of sampled responses, the engine's prefill (its weights, dtype, kernels and — for the fused Llama
+path — its own attention) and the learner's forward (fp32 parameters under autocast, as it scores) run over the same
+tokens with hooks on the same modules. At every op of the decoder —
+
+    embed, then per layer i: L{i}.attn_norm, L{i}.attn (o_proj's output), L{i}.mlp_norm, L{i}.mlp (down_proj's
+    output), L{i}.out (the residual stream leaving the layer), then norm (the final norm) and head (the logits)
+
+— the relative error ‖h_engine − h_learner‖ / ‖h_learner‖ over the positions that predict response tokens (the
+tokens the mismatch is measured on), and the first op whose error exceeds its precision's rounding: the unit
+roundoff u of the engine's compute dtype (bf16 2⁻⁸, fp16 2⁻¹¹, fp32 2⁻²⁴) times ``ROUNDING_SLACK``. At the head,
+the full-vocabulary KL(μ ‖ π) per position (not only the sampled token's log-ratio), at the sampling temperature.
+
+The error at an op includes what reached it from the ops before (the two forwards run side by side, not op by op
+on shared inputs): where it starts is the first row above the line, how it grows is the rows after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from unison.errors import UnisonError
+from unison.precision import autocast
+
+#: unit roundoff of each compute dtype: half the distance from 1 to the next representable number
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+#: an op is "above its precision's rounding" when its relative error exceeds this many unit roundoffs: one rounding
+#: of an output gives at most u per element; two engines that round the same values independently (different
+#: kernels, a different order of summation) differ by a few u, so the line sits above that
+ROUNDING_SLACK = 4.0
+
+
+def check_locatable(model) -> None:
+    """Refuse a model whose decoder is not one whose ops it names: the Llama family (Llama, Mistral, Qwen2, Qwen3 —
+    the native engine's fused path), where the modules below mean what the op names say."""
+    from unison.models import FAST_PATH_TYPES
+
+    kind = getattr(model.config, "model_type", "?")
+    core = getattr(model, "model", None)
+    layers = getattr(core, "layers", None)
+    if kind not in FAST_PATH_TYPES or layers is None or not hasattr(layers[0].mlp, "down_proj"):
+        raise UnisonError(f"--locate names the ops of a dense Llama-family decoder ({', '.join(FAST_PATH_TYPES)}: "
+                          f"embed_tokens, input_layernorm, self_attn.o_proj, post_attention_layernorm, mlp.down_proj, "
+                          f"norm); model type '{kind}' is not one: drop --locate for this model")
+
+
+def op_names(num_layers: int) -> list[str]:
+    """Every op --locate reports, in the order the forward runs them."""
+    ops = ["embed"]
+    for i in range(num_layers):
+        ops += [f"L{i}.attn_norm", f"L{i}.attn", f"L{i}.mlp_norm", f"L{i}.mlp", f"L{i}.out"]
+    return ops + ["norm", "head"]
+
+
+@contextlib.contextmanager
+def tapped(model, want: torch.Tensor, into: dict[str, torch.Tensor]):
+    """Record every op of ``model``'s decoder (see the module docstring) at the positions ``want`` marks
+    ([B, L] bool) into ``into`` (name -> [n, d] fp32 on the CPU) while the context is open. Works on any forward
+    that calls the decoder's modules: the Hugging Face forward and the native engine's fused path alike (which
+    calls the norms, o_proj and down_proj as modules and may apply the final norm to rows already selected)."""
+    core = model.model
+    n = int(want.sum())
+
+    def keep(name):
+        def put(t):
+            t = t[0] if isinstance(t, tuple) else t
+            if t.dim() >= 3 and tuple(t.shape[:2]) == tuple(want.shape):
+                t = t[want.to(t.device)]
+            elif t.shape[0] != n:
+                raise RuntimeError(f"--locate: op {name} produced shape {tuple(t.shape)}, expected [B, L, d] or "
+                                   f"[{n}, d]")
+            into[name] = t.detach().float().cpu()
+        return put
+
+    handles = []
+    try:
+        def hook(module, name):
+            put = keep(name)
+            handles.append(module.register_forward_hook(lambda _m, _a, out: put(out)))
+
+        def pre_hook(module, name):
+            put = keep(name)
+            handles.append(module.register_forward_pre_hook(lambda _m, args: put(args[0])))
+
+        hook(core.embed_tokens, "embed")
+        for i, layer in enumerate(core.layers):
+            hook(layer.input_layernorm, f"L{i}.attn_norm")
+            hook(layer.self_attn.o_proj, f"L{i}.attn")
+            hook(layer.post_attention_layernorm, f"L{i}.mlp_norm")
+            hook(layer.mlp.down_proj, f"L{i}.mlp")
+            if i > 0:  # the residual stream entering layer i is the one leaving layer i - 1
+                pre_hook(layer.input_layernorm, f"L{i - 1}.out")
+        pre_hook(core.norm, f"L{len(core.layers) - 1}.out")
+        hook(core.norm, "norm")
+        yield into
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def want_positions(batch) -> torch.Tensor:
+    """[B, L] bool: the positions whose hidden state predicts a response token (position t predicts token t + 1)."""
+    resp = batch.response_mask.bool()
+    want = torch.zeros_like(resp)
+    want[:, :-1] = resp[:, 1:]
+    return want
+
+
+@torch.no_grad()
+def engine_trace(engine, batch, temperature: float) -> dict[str, torch.Tensor]:
+    """The native engine's prefill over ``batch`` (as its ``score`` runs it), every op recorded; ``head`` holds
+    its log-probabilities over the whole vocabulary at ``temperature``, [n, V]."""
+    if getattr(engine, "name", "") != "native" or engine.exact is not None:
+        raise UnisonError("--locate reads the engine's hidden states layer by layer, which only the native engine "
+                          "outside exact mode exposes: use --engine native")
+    check_locatable(engine.model)
+    ids, key_ok = batch.tokens.to(engine.device), batch.attention_mask.to(engine.device).bool()
+    want = want_positions(batch).to(engine.device)
+    B, L = ids.shape
+    pos = (key_ok.long().cumsum(-1) - 1).clamp(min=0)
+    out: dict[str, torch.Tensor] = {}
+    with tapped(engine.model, want, out):
+        h = engine._backend(B, L, 0).hidden(ids, key_ok, pos, want)
+    out["head"] = torch.log_softmax(engine._head(h).float() / temperature, dim=-1).cpu()
+    return out
+
+
+@torch.no_grad()
+def learner_trace(scorer, batch, temperature: float) -> dict[str, torch.Tensor]:
+    """The learner's forward over ``batch`` in its compute dtype (fp32 parameters under autocast), every op
+    recorded; ``head`` as :func:`engine_trace`'s."""
+    from unison.policy import logit_transform
+
+    model = scorer.model
+    check_locatable(model)
+    want = want_positions(batch).to(scorer.device)
+    out: dict[str, torch.Tensor] = {}
+    with tapped(model, want, out), autocast(scorer.device, scorer.compute_dtype):
+        res = model.base_model(input_ids=batch.tokens.to(scorer.device),
+                               attention_mask=batch.attention_mask.to(scorer.device), use_cache=False)
+        h = res.last_hidden_state if hasattr(res, "last_hidden_state") else res[0]
+        logits = model.get_output_embeddings()(h[want])
+    transform = logit_transform(model.config)
+    logits = logits if transform is None else transform(logits)
+    out["head"] = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+    return out
+
+
+def compare(eng: dict[str, torch.Tensor], lrn: dict[str, torch.Tensor], batch, dtype: torch.dtype,
+            num_layers: int) -> dict:
+    """Per op the relative error of the engine against the learner, the first op above the rounding line, and the
+    full-vocabulary KL(μ ‖ π) per response position."""
+    line = ROUNDING_SLACK * UNIT_ROUNDOFF[dtype]
+    rows, first = [], None
+    for name in op_names(num_layers):
+        e, r = eng[name], lrn[name]
+        if name == "head":  # compare probabilities' logs where μ puts its mass: the logits' own scale is arbitrary
+            e, r = e.exp(), r.exp()
+        err = float((e - r).norm() / r.norm().clamp(min=1e-30))
+        above = err > line
+        if above and first is None:
+            first = name
+        rows.append({"op": name, "rel_error": err, "above": above})
+    lp_mu, lp_pi = eng["head"], lrn["head"]
+    kl = (lp_mu.exp() * (lp_mu - lp_pi)).sum(-1).clamp(min=0)  # [n], in the order of want's positions
+    want = want_positions(batch)
+    index = (want.long().cumsum(-1) - 1)[want]  # each position's place in its response
+    by_index = torch.zeros(int(index.max()) + 1 if len(index) else 0).index_add_(0, index, kl)
+    counts = torch.zeros_like(by_index).index_add_(0, index, torch.ones_like(kl))
+    return {"ops": rows, "first_above": first, "rounding_line": line, "dtype": str(dtype).replace("torch.", ""),
+            "full_kl_mean": float(kl.mean()) if len(kl) else 0.0, "full_kl_max": float(kl.max()) if len(kl) else 0.0,
+            "full_kl_by_position": (by_index / counts.clamp(min=1)).tolist(), "positions": int(len(kl))}
+
+
+def locate(engine, scorer, batch, temperature: float, dtype: torch.dtype) -> dict:
+    """:func:`compare` of the engine's and the learner's traces over ``batch``."""
+    eng = engine_trace(engine, batch, temperature)
+    lrn = learner_trace(scorer, batch, temperature)
+    return compare(eng, lrn, batch, dtype, len(scorer.model.model.layers))
+
+
+def arm_label(r: dict) -> str:
+    q = r.get("quantization", "none")
+    return f"{r['engine']}/{r['precision']}" + ("" if q == "none" else f"/{q}")
+
+
+def summary_ops(ops: list[str]) -> list[str]:
+    """The ops the console table shows: the embedding, the first layer's attention and output, the middle and the
+    last layer's outputs, the final norm and the head (``locate.md`` has every op)."""
+    last = max(int(o[1:].split(".")[0]) for o in ops if o.startswith("L"))
+    keep = ["embed", "L0.attn", "L0.out", f"L{last // 2}.out", f"L{last}.out", "norm", "head"]
+    return list(dict.fromkeys(o for o in keep if o in ops))
+
+
+def format_locate(results: list[dict]):
+    """A rich Table: per arm, the first op above its rounding line, the error at a few ops and the full KL."""
+    from rich.table import Table
+
+    rows = [r for r in results if r.get("locate")]
+    shown = summary_ops([o["op"] for o in rows[0]["locate"]["ops"]])
+    table = Table(title="--locate: where the engine and the learner first part (relative error per op; "
+                        "line = 4 unit roundoffs of the engine's dtype)")
+    for name in ("arm", "line", "first above", *shown, "full KL mean", "full KL max"):
+        table.add_column(name, justify="left" if name in ("arm", "first above") else "right")
+    for r in rows:
+        loc = r["locate"]
+        err = {o["op"]: o for o in loc["ops"]}
+        cells = [(f"[bold]{err[o]['rel_error']:.2g}[/]" if err[o]["above"] else f"{err[o]['rel_error']:.2g}")
+                 for o in shown]
+        first = loc["first_above"]
+        table.add_row(arm_label(r), f"{loc['rounding_line']:.1g}",
+                      f"{first} ({err[first]['rel_error']:.2g})" if first else "none", *cells,
+                      f"{loc['full_kl_mean']:.3g}", f"{loc['full_kl_max']:.3g}")
+    return table
+
+
+def locate_markdown(results: list[dict]) -> str:
+    """Every op of every arm, one row per op (``OUT/locate.md``)."""
+    rows = [r for r in results if r.get("locate")]
+    labels = [arm_label(r) for r in rows]
+    lines = ["# Where the engine and the learner part (`unison probe --locate`)", "",
+             "Relative error ‖h_engine − h_learner‖ / ‖h_learner‖ of every op over the positions that predict "
+             "response tokens (bold: above the arm's rounding line, 4 unit roundoffs of the engine's dtype); "
+             "the head row compares probabilities.", ""]
+    lines += ["| arm | " + " | ".join(labels) + " |", "| --- |" + " --- |" * len(labels)]
+    lines += ["| rounding line | " + " | ".join(f"{r['locate']['rounding_line']:.1g}" for r in rows) + " |",
+              "| first op above | " + " | ".join(r["locate"]["first_above"] or "none" for r in rows) + " |",
+              "| full-vocabulary KL mean / max | " + " | ".join(
+                  f"{r['locate']['full_kl_mean']:.3g} / {r['locate']['full_kl_max']:.3g}" for r in rows) + " |"]
+    for i, op in enumerate(o["op"] for o in rows[0]["locate"]["ops"]):
+        cells = []
+        for r in rows:
+            o = r["locate"]["ops"][i]
+            cells.append(f"**{o['rel_error']:.2e}**" if o["above"] else f"{o['rel_error']:.2e}")
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
