@@ -335,8 +335,8 @@ def _add_demo(sub) -> None:
                        description="Part 1: Paper A's sanity test, one GRPO run per precision on 2-digit addition (SFT warm "
                                    "start, a perfectible set, 30 steps). Part 2: on chained sums with the working written "
                                    "out (69-token answers), the clean run, the same run broken by the mismatch and that "
-                                   "run with its cure (30 steps each, on two seeds): by default samples 4 policy versions "
-                                   "old and the mismatch-budget LR; --regime int4: int4 rollout weights and the "
+                                   "run with its cure (on two seeds): by default samples 4 policy versions old (25 steps) "
+                                   "and Token-TIS with the mismatch-budget LR; --regime int4 (30 steps): int4 rollout weights and the "
                                    "quantization-aware learner. Runs go two at a time; both parts start from warm starts "
                                    "shipped with unison (--from-scratch makes them). One report with both tables, part 2 "
                                    "per seed, the curves and each run's mismatch ledger; a cure is claimed only when it "
@@ -346,7 +346,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     p.add_argument("--precisions", default="fp16,bf16,fp32", help="part 1's arms (default: fp16,bf16,fp32)")
     p.add_argument("--regime", default=None,
-                   help="part 2's regime: stale (samples 4 versions old; cure: the mismatch-budget LR; the default) or "
+                   help="part 2's regime: stale (samples 4 versions old; cure: Token-TIS with the mismatch-budget LR; the default) or "
                         "int4 (int4 rollout weights; cure: the quantization-aware learner)")
     p.add_argument("--k", type=int, default=8, help="filter: samples per prompt (default: 8)")
     p.add_argument("--max-prompts", type=int, default=32, help="filter: part 1's training set (default: 32)")

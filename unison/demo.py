@@ -66,13 +66,20 @@ STALE = {"rollout": {"max_staleness": 4}}
 #: (grpo_token_tis: each token weighted by min(π_old/μ, 2)), with the mismatch-budget LR that starts at 0.1× and earns
 #: its LR while the staleness k3 stays under half of 3e-3 — the default budget (full LR from step 1, target 1e-2)
 #: reacts only after the first updates on stale samples have broken the run, and the budget alone held 5/6 seeds
+#: The budget watches mismatch/k3, the whole k3 of μ against π_old: part 2 runs fp32 on both sides, where that is the
+#: staleness (the ledger puts 100% of it there), and it needs no pass of its own — the search's runs watched
+#: mismatch/staleness_k3, a second score pass a step, and seeds 0 and 1 ran step for step the same with either
 STALE_CURE = {**{"rollout": {"max_staleness": 4}}, "algo": "grpo_token_tis",
-              "train": {"schedule": "mismatch_budget", "mismatch_budget": {"start": 0.1, "target": 3e-3}}}
+              "train": {"schedule": "mismatch_budget",
+                        "mismatch_budget": {"start": 0.1, "target": 3e-3, "metric": "mismatch/k3"}}}
 REGIMES = {
     # samples 4 policy versions old (the native engine runs ahead in a worker process), and Paper B's cure: the LR
     # follows the measured mismatch (docs/lr-schedule.md) — the pick of docs/experiments/demo_recipe.md
     "stale": Regime(
-        recipe=["train.micro_batch_tokens=4096", "mismatch.decompose_every=5", "rollout.worker_threads=1"],
+        # 25 steps: the six runs fit the demo's 6 minutes; the search's 6 seeds pass at 25 steps as at 30 (their first
+        # 25 steps are these runs step for step: nothing in the recipe depends on the run's length)
+        recipe=["train.micro_batch_tokens=4096", "mismatch.decompose_every=5", "rollout.worker_threads=1",
+                "train.steps=25"],
         arms={"clean": ("clean: fresh samples (K = 0)", "none", ("-k0", {"rollout": {"max_staleness": 0}})),
               "broken": ("samples 4 versions old, GRPO", "none", ("-k4", STALE)),
               "cured": ("samples 4 versions old + Token-TIS + mismatch-budget LR", "none",

@@ -89,9 +89,16 @@ def regime(group) -> str:
     return f"int4 g{group}, GRPO; cure: QAT"
 
 
-def judge(c: dict) -> dict:
-    """Per seed that has all three arms (a candidate stopped early: the seeds with a clean and an int4 run)."""
+#: the demo's part 2 runs this many steps of the stale regime (unison/demo.py): the criterion at that length too
+DEMO_STEPS = 25
+
+
+def judge(c: dict, steps: int | None = None) -> dict:
+    """Per seed that has all three arms (a candidate stopped early: the seeds with a clean and an int4 run);
+    ``steps``: as if every run had stopped there (the first steps of a longer run are the shorter run's)."""
     c = {"qat": {}, **c}
+    if steps is not None:
+        c = {kind: {s: rows[:steps] for s, rows in seeds.items()} for kind, seeds in c.items()}
     seeds = sorted(set(c.get("clean", {})) & set(c.get("int4", {})) & (set(c["qat"]) or set(c.get("int4", {}))))
     screened = bool(c["qat"]) and len(c["qat"]) < 6  # a cure screened on a few seeds first
     per = []
@@ -121,6 +128,7 @@ def fmt_mean(xs):
 def main(root: Path, docs: Path) -> Path:
     cands = candidates(root)
     judged = {k: judge(v) for k, v in cands.items()}
+    short = {k: judge(v, DEMO_STEPS) for k, v in cands.items()}
     intro = Path(__file__).with_name("intro.md")
     lines = ["# The demo's recipe: a collapse that cannot miss", "",
              *([intro.read_text().rstrip(), ""] if intro.exists() else []),
@@ -138,7 +146,8 @@ def main(root: Path, docs: Path) -> Path:
              "on a CPU it never ran on. Measured on an AMD EPYC (Zen 4-class, 2 cores, AVX-512 + avx512_bf16, no "
              "AMX), torch 2.13.0.", "",
              "| lr | regime | SFT steps | seeds | clean | broken | cure | collapsed (< 80% clean) "
-             "| cured (≥ 95% clean) | passes |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| cured (≥ 95% clean) | passes | at {DEMO_STEPS} steps: collapsed / cured |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (lr, group, sft), j in sorted(judged.items(), key=lambda kv: (str(kv[0][1]).startswith(STALE),
                                                                       float(kv[0][0]), str(kv[0][1]), int(kv[0][2]))):
         p = j["seeds"]
@@ -147,7 +156,9 @@ def main(root: Path, docs: Path) -> Path:
             ("screened: failed" if not all(x["cured"] for x in p) else "screened") if j.get("screened") else "no"
         lines.append(f"| {lr} | {regime(group)} | {sft} | {j['n']} | {fmt_mean([x['clean'] for x in p])} | "
                      f"{fmt_mean([x['int4'] for x in p])} | {fmt_mean([x['qat'] for x in p])} | "
-                     f"{j['collapsed']}/{j['n']} | {cured} | {verdict} |")
+                     f"{j['collapsed']}/{j['n']} | {cured} | {verdict} | "
+                     + ("—" if j.get("stopped") else f"{short[(lr, group, sft)]['collapsed']}/{j['n']} / "
+                        f"{short[(lr, group, sft)]['cured']}/{j['n']}") + " |")
     lines += ["", "Every seed of every candidate (last-10 training accuracy; the cure's share of the clean run):", "",
               "| candidate | seed | clean | broken | cure | cure / clean |", "| --- | --- | --- | --- | --- | --- |"]
     for (lr, group, sft), j in sorted(judged.items(), key=lambda kv: (str(kv[0][1]), float(kv[0][0]), int(kv[0][2]))):
