@@ -86,7 +86,7 @@ REGIMES = {
                         ("-k4-tis-budget", STALE_CURE))},
         title="samples 4 policy versions old", broken="the K = 4 run",
         cure="the off-policy correction (Token-TIS) with the learning rate that follows the measured mismatch "
-             "(train.schedule=mismatch_budget from 0.1× of the LR, staleness k3 target 3e-3) cured it",
+             "(train.schedule=mismatch_budget from 0.1× of the LR, k3 target 3e-3) cured it",
         cure_run="the corrected run", term="staleness"),
     # int4 rollout weights, and the quantization-aware learner (π is the policy μ samples from)
     "int4": Regime(
