@@ -21,7 +21,8 @@ k4lr3e-5|2,5|--set train.lr=3e-5
 k4budget-start0.1|$ALL|$BUDGET --set train.mismatch_budget.start=0.1
 k4budget-start0.1-target3e-3|$ALL|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3
 k4budget-start0.1-target3e-3-tis|$ALL|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3 --algorithms grpo_token_tis
-k4budget-start0.1-target3e-3-icepop|$ALL|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3 --algorithms grpo_icepop"
+k4budget-start0.1-target3e-3-icepop|$ALL|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3 --algorithms grpo_icepop
+k4budget-start0.1-target3e-3-tis-k3metric|0,1|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3 --set train.mismatch_budget.metric=mismatch/k3 --algorithms grpo_token_tis"
 # the warm start: run.sh's, or the one unison ships for the demo (the same recipe: unison/data/demo/collapse/manifest.json)
 W="$OUT/warm-sft$SFT"
 if [ ! -e "$W/perfectible.jsonl" ] && [ "$SFT" = 600 ]; then
