@@ -273,3 +273,17 @@ def test_server_drop_policy_syncs_in_flight_and_drops_what_is_too_stale(tmp_path
     assert "keep" in stub.pause_modes  # weights reached the server with requests in flight
     assert sum(r["staleness/dropped"] for r in rows) > 0
     assert all(r["staleness/max"] is None or r["staleness/max"] <= 1.0 for r in rows if "staleness/max" in r)
+
+
+def test_spanning_fraction_counts_the_responses_a_sync_reached_mid_way():
+    """Two responses sampled under version 3, one of them finished under version 4: half the batch spans a sync;
+    staleness counts from each response's first version."""
+    from unison.batch import Completion, collate
+    from unison.telemetry import batch_metrics
+
+    comps = [Completion([1, 2], [3, 4], [-0.1, -0.2], "stop", versions=(3, 3)),
+             Completion([1, 2], [5], [-0.3], "stop", sample_index=1, versions=(3, 4))]
+    batch = collate(comps, 0)
+    batch.rewards = torch.tensor([1.0, 0.0])
+    m = batch_metrics(batch, 5)
+    assert m["staleness/spanning_fraction"] == 0.5 and m["staleness/mean"] == 2.0

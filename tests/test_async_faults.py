@@ -601,6 +601,12 @@ def test_15_server_labels_are_never_newer_than_the_weights_that_sampled(tmp_path
         too_old += c.versions[0] < first
     spans = sum(c.versions[0] < c.versions[1] for c, _ in comps)
     assert len(comps) >= 3 and spans, (len(comps), spans)  # requests were in flight across the syncs
+    from unison.batch import collate
+    from unison.telemetry import batch_metrics
+
+    batch = collate([c for c, _ in comps], 0)
+    batch.rewards = torch.zeros(batch.size)
+    assert batch_metrics(batch, 6)["staleness/spanning_fraction"] == pytest.approx(spans / len(comps))  # the batch says so
     print(f"{too_old} of {len(comps)} responses labelled one version older than the weights that sampled them")
 
 

@@ -48,10 +48,13 @@ def rollout_metrics(step: int, roll, reward_errors: int) -> dict:
 
 
 def batch_metrics(batch, step: int) -> dict:
-    """The trained batch: staleness (versions behind step ``step``), rewards, response lengths, truncation."""
+    """The trained batch: staleness (versions behind step ``step``), the responses a weight sync reached mid-way
+    (sampled under two versions: the vLLM server with in-flight syncs), rewards, response lengths, truncation."""
     stale = (step - batch.version).float()
     lengths = batch.response_lens.float()
+    spanning = (batch.version_last != batch.version).float().mean() if batch.version_last is not None else 0.0
     return {"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
+            "staleness/spanning_fraction": float(spanning),
             "reward/trained_mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),

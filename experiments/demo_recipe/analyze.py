@@ -36,6 +36,7 @@ STALE_CURES = {
     "k4budget-warmup10": "mismatch_budget LR + 10 warm-up steps",
     "k4warmup10": "10 warm-up steps alone (control)",
     "k4lr3e-5": "constant LR 3e-5 (control)",
+    "k0lr2e-5": "none — fresh samples (K = 0) at a constant LR 2e-5 (control: the clean run at the cure's LR)",
     "k4budget-start0.1": "mismatch_budget LR, start 0.1",
     "k4budget-start0.1-target3e-3": "mismatch_budget LR, start 0.1, target 3e-3",
     "k4budget-start0.1-target3e-3-tis": "mismatch_budget LR, start 0.1, target 3e-3 + Token-TIS (grpo_token_tis)",

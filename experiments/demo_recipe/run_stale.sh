@@ -22,6 +22,7 @@ k4budget-start0.1|$ALL|$BUDGET --set train.mismatch_budget.start=0.1
 k4budget-start0.1-target3e-3|$ALL|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3
 k4budget-start0.1-target3e-3-tis|$ALL|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3 --algorithms grpo_token_tis
 k4budget-start0.1-target3e-3-icepop|$ALL|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3 --algorithms grpo_icepop
+k0lr2e-5|$ALL|--set rollout.max_staleness=0 --set train.lr=2e-5
 k4budget-start0.1-target3e-3-tis-k3metric|0,1|$BUDGET --set train.mismatch_budget.start=0.1 --set train.mismatch_budget.target=3e-3 --set train.mismatch_budget.metric=mismatch/k3 --algorithms grpo_token_tis"
 # the warm start: run.sh's, or the one unison ships for the demo (the same recipe: unison/data/demo/collapse/manifest.json)
 W="$OUT/warm-sft$SFT"
@@ -35,7 +36,7 @@ STALE=(--set train.micro_batch_tokens=4096 --set mismatch.decompose_every=5 --se
 specs=("stale-clean-k0-lr$LR-sft$SFT|$ALL|--set rollout.max_staleness=0"
        "stale-broken-k4-lr$LR-sft$SFT|$ALL|--set rollout.max_staleness=4")
 while IFS='|' read -r variant seeds args; do
-  specs+=("stale-cure-$variant-lr$LR-sft$SFT|$seeds|--set rollout.max_staleness=4 $args")
+  specs+=("stale-cure-$variant-lr$LR-sft$SFT|$seeds|--set rollout.max_staleness=4 $args")  # (a later --set wins)
 done <<< "$CURES"
 running=0
 for spec in "${specs[@]}"; do
