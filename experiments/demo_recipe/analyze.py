@@ -85,6 +85,10 @@ def candidates(root: Path) -> dict[tuple, dict]:
     return out
 
 
+#: rows that are references, not cures (no K = 4 run in them): reported, never picked
+REFERENCES = {f"{STALE}:k0lr2e-5"}
+
+
 def regime(group) -> str:
     if str(group).startswith(STALE):
         variant = group.split(":", 1)[1]
@@ -156,7 +160,8 @@ def main(root: Path, docs: Path) -> Path:
                                                                       float(kv[0][0]), str(kv[0][1]), int(kv[0][2]))):
         p = j["seeds"]
         cured = "—" if j.get("stopped") else f"{j['cured']}/{j['n']}"
-        verdict = "stopped" if j.get("stopped") else "yes" if j["passes"] else \
+        verdict = "reference (K = 0)" if group in REFERENCES else "stopped" if j.get("stopped") else \
+            "yes" if j["passes"] else \
             ("screened: failed" if not all(x["cured"] for x in p) else "screened") if j.get("screened") else "no"
         lines.append(f"| {lr} | {regime(group)} | {sft} | {j['n']} | {fmt_mean([x['clean'] for x in p])} | "
                      f"{fmt_mean([x['int4'] for x in p])} | {fmt_mean([x['qat'] for x in p])} | "
@@ -172,8 +177,8 @@ def main(root: Path, docs: Path) -> Path:
             share = f"{x['qat'] / x['clean']:.1%}"
             lines.append(f"| lr {lr}, {regime(group)}, SFT {sft} | {x['seed']} | {x['clean']:.3f} | {x['int4']:.3f} | "
                          f"{x['qat']:.3f} | {share} |")
-    passing = [k for k, j in judged.items() if j["passes"]]
-    complete = {k: j for k, j in judged.items() if not j.get("stopped")}
+    passing = [k for k, j in judged.items() if j["passes"] and k[1] not in REFERENCES]
+    complete = {k: j for k, j in judged.items() if not j.get("stopped") and k[1] not in REFERENCES}
     # the pick: a passing candidate with the widest margin (smallest int4/clean, then largest qat/clean)
     def margin(k):
         p = judged[k]["seeds"]
