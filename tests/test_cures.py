@@ -285,8 +285,9 @@ def test_mismatch_budget_without_its_metric_warns_once_and_says_so_in_the_summar
     assert summary["mismatch_budget"]["steps_without_metric"] == 2
 
 
-@pytest.mark.parametrize("sets,why", [(["rollout.max_staleness=1", "lora.rank=2"], "LoRA adapters"),
-                                      (["train.mismatch_budget.metric=mismatch/staleness_k3"], "synchronous")])
+@pytest.mark.parametrize("sets,why", [(["train.mismatch_budget.metric=mismatch/staleness_k3"], "synchronous"),
+                                      (["rollout.max_staleness=1", "lora.rank=2", "train.quantization_aware=true",
+                                        "rollout.quantization=int4"], "quantization-aware learner with LoRA")])
 def test_mismatch_budget_on_a_metric_the_run_cannot_log_is_refused(tmp_path, capsys, sets, why):
     from unison.cli import main
 

@@ -139,7 +139,10 @@ def _adds_up(rows, terms, first=1):
     (["rollout.quantization=int4"], ["decode", "engine", "quantization"], "quantization"),
     (["rollout.max_staleness=1", "train.lr=1e-2"], ["decode", "engine", "staleness"], "staleness"),
     (["rollout.top_p=0.8", "rollout.replay_sampling_mask=false"], ["decode", "engine", "truncation"], "truncation"),
-], ids=["int4", "K=1", "top-p"])
+    # LoRA: the older version is the weight ring's merged copy, scored with the adapters off
+    (["rollout.max_staleness=1", "train.lr=1e-2", "lora.rank=4", "lora.alpha=8"], ["decode", "engine", "staleness"],
+     "staleness"),
+], ids=["int4", "K=1", "top-p", "K=1-LoRA"])
 def test_the_terms_add_up_to_the_total_on_every_logged_step(tmp_path, reward, sets, terms, dominant):
     rows = _fit(tmp_path, "run", reward + sets, steps=3 if "staleness" in terms else 2)
     logged = _adds_up(rows, terms)
@@ -278,7 +281,8 @@ def test_vllm_in_process_resets_its_prefix_cache_after_every_load(monkeypatch, t
     (["mismatch.ledger=on", "engine=vllm", "vllm.mode=server", "vllm.url=http://127.0.0.1:9"], "does not for unison"),
     (["mismatch.ledger=on", "exact=true"], "exact mode"),
     (["mismatch.ledger=on", "mismatch.decompose_every=0"], "decompose_every"),
-    (["mismatch.ledger=on", "rollout.max_staleness=1", "lora.rank=2"], "LoRA adapters"),
+    (["mismatch.ledger=on", "rollout.max_staleness=1", "lora.rank=2", "train.quantization_aware=true",
+      "rollout.quantization=int4"], "quantization-aware learner with LoRA"),
     (["mismatch.ledger=sometimes"], "mismatch.ledger"),
 ])
 def test_ledger_bad_input_is_refused_before_writing(tmp_path, sets, match):
@@ -389,3 +393,28 @@ def test_the_engines_re_score_replays_the_decode_routing_so_expert_flips_land_in
     learner = Learner(d, compute_dtype=torch.bfloat16, routing_replay=True).score(b)  # "as the engine ran"
     assert float(k3(replayed, mu, m)) < float(k3(with_flips, mu, m))  # decode term: the flips are gone from it
     assert float(k3(learner, replayed, m)) < float(k3(learner, with_flips, m))  # and from the engine term
+
+
+def test_a_lora_learner_scores_under_merged_weights_as_under_its_adapters(tiny_dir):
+    """The merged weights W + (α/r)·B·A the engine is sent, scored with the adapters off, give the adapters' own
+    log-probs to fp32 rounding; the base weights alone (B·A dropped) give others: the swap reaches the adapted
+    layers, and the adapters are back afterwards."""
+    from unison.lora import base_params
+    from unison.policy import Scorer
+    from unison.rollout import SamplingParams, generate, make_engine
+
+    cfg = load_config(None, ["lora.rank=4", "lora.alpha=8"])
+    s = Scorer(tiny_dir, lora_cfg=cfg.lora)
+    with torch.no_grad():  # adapters that do something (B starts at 0)
+        for n, p in s.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    eng = make_engine("native", tiny_dir, torch.float32, max_len=64)
+    batch = collate(generate(eng, [eng.tokenizer.encode("4+5=")], SamplingParams(n=3, max_tokens=8, seed=0)), 0)
+    own = s.score(batch)
+    merged = dict(s.export_weights())
+    assert s.can_score_other_weights
+    assert torch.allclose(s.score(batch, weights=merged), own, atol=1e-5)
+    base = {**merged, **{name: p.detach().clone() for name, p in base_params(s.model).items()}}
+    assert (s.score(batch, weights=base) - own).abs().max() > 1e-3
+    assert torch.equal(s.score(batch), own)  # the adapters are on again, the base weights their own

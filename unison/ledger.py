@@ -74,7 +74,7 @@ def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_supp
     if can_rescore is not None:
         unmeasured["decode"] = can_rescore
     if asynchronous and not can_score_old:
-        unmeasured["staleness"] = "the learner cannot score with older weights here (FSDP2 shards or LoRA adapters)"
+        unmeasured["staleness"] = "the learner cannot score with older weights here (FSDP2 shards them; LoRA under the quantization-aware learner merges its own adapters)"
     return Plan(present, unmeasured)
 
 

@@ -70,6 +70,18 @@ def _exported(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch
             yield name, p, None
 
 
+def base_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """An adapted layer's base weight (and bias) under the base model's names: where a merged tensor of
+    :func:`merged_weights` goes when the learner scores with the adapters off."""
+    out = {}
+    for name, t, m in _exported(model):
+        if m is not None:
+            out[name] = m.base_layer.weight
+            if m.base_layer.bias is not None:
+                out[name.removesuffix(".weight") + ".bias"] = m.base_layer.bias
+    return out
+
+
 def delta(layer, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
     """(α/r)·B·A of an adapted layer in its base weight's layout, computed in fp32 whatever autocast is on:
     [out, in] for ``nn.Linear``, transposed to [in, out] for GPT-2's ``Conv1D`` (PEFT's ``fan_in_fan_out``).

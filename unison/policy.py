@@ -388,8 +388,10 @@ class Scorer:
     # ---------------------------------------------------------------- scoring
     @property
     def can_score_other_weights(self) -> bool:
-        """Whether :meth:`score` takes ``weights`` (one process, full weights, no adapters)."""
-        return not self.sharded and self.peft is None
+        """Whether :meth:`score` takes ``weights`` (one process, full weights; with LoRA, merged weights under the
+        base names, as :meth:`export_weights` gives the engine: scored with the adapters off — not with the
+        quantization-aware learner, which merges the layer's own adapters into what it quantizes)."""
+        return not self.sharded and (self.peft is None or self.qat is None)
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch, weights: dict[str, torch.Tensor] | None = None, *,
@@ -486,18 +488,27 @@ class Scorer:
 
 @contextlib.contextmanager
 def _swapped(scorer: Scorer, weights: dict[str, torch.Tensor] | None):
-    """The scorer's parameters replaced by ``weights`` (views; a copy only on another device) for the duration."""
+    """The scorer's parameters replaced by ``weights`` (views; a copy only on another device) for the duration.
+    With LoRA, ``weights`` are merged ones under the base names (what the engine holds, e.g. an older version from
+    the weight ring): an adapted layer's goes into its ``base_layer`` and the adapters are off meanwhile."""
     if weights is None:
         yield
         return
     if not scorer.can_score_other_weights:
-        raise RuntimeError("scoring under other weights needs one process and no LoRA adapters")
+        raise RuntimeError("scoring under other weights needs one process (FSDP2 shards the parameters)")
     params = dict(scorer.model.named_parameters())
+    adapters = contextlib.nullcontext()
+    if scorer.peft is not None:
+        from unison import lora
+
+        params = {**params, **lora.base_params(scorer.model)}
+        adapters = scorer.peft.disable_adapter()
     saved = {n: params[n].data for n in weights}
     try:
         for n, w in weights.items():
             params[n].data = w.view(params[n].shape).to(params[n].device)
-        yield
+        with adapters:
+            yield
     finally:
         for n, d in saved.items():
             params[n].data = d

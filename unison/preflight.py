@@ -48,10 +48,10 @@ def check_settings(cfg: Config) -> None:
         _check_ledger_settings(cfg)
     budget = cfg.train.mismatch_budget.metric or ("mismatch/staleness_k3" if cfg.rollout.max_staleness else None)
     if cfg.train.schedule == "mismatch_budget" and budget == "mismatch/staleness_k3" and \
-            (cfg.lora.rank or under_torchrun() or not cfg.rollout.max_staleness):
+            (under_torchrun() or not cfg.rollout.max_staleness or (cfg.lora.rank and cfg.train.quantization_aware)):
         why = ("the run is synchronous: every sample is on-policy" if not cfg.rollout.max_staleness else
-               f"its split scores with older weights, which {'LoRA adapters' if cfg.lora.rank else 'FSDP2 shards'} "
-               f"prevent")
+               "its split scores with older weights, which FSDP2 shards" if under_torchrun() else
+               "its split scores with older merged weights, which the quantization-aware learner with LoRA does not")
         raise UnisonError(f"train.schedule=mismatch_budget watches mismatch/staleness_k3, which this run never logs "
                           f"({why}): set train.mismatch_budget.metric=mismatch/k3")
     truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k
@@ -143,9 +143,10 @@ def _check_ledger_settings(cfg: Config) -> None:
     if cfg.engine != "native":
         raise UnisonError(f"mismatch.ledger=on needs an engine that re-scores its own samples in a prefill pass (the "
                           f"decode term), and engine '{cfg.engine}' does not for unison: {fix}")
-    if cfg.rollout.max_staleness and (cfg.lora.rank or under_torchrun()):
+    if cfg.rollout.max_staleness and (under_torchrun() or (cfg.lora.rank and cfg.train.quantization_aware)):
         raise UnisonError(f"mismatch.ledger=on needs the learner to score with older weights for its staleness term, "
-                          f"which {'LoRA adapters' if cfg.lora.rank else 'FSDP2 shards'} prevent: {fix}")
+                          f"which {'FSDP2 shards' if under_torchrun() else 'the quantization-aware learner with LoRA does not'}"
+                          f": {fix}")
 
 
 def _check_async_settings(cfg: Config) -> None:

@@ -28,7 +28,8 @@ def startup_lines(tr) -> list[str]:
     ahead = f", engine up to {plural(r.max_staleness, 'version')} ahead ({r.stale_policy})" if r.max_staleness else ""
     if r.max_staleness and cfg.mismatch.decompose_every and not tr.learner.can_score_other_weights:
         out.append("[train] the split of the mismatch into numerics and staleness scores with older weights in one "
-                   "process without LoRA: it is off here (mismatch/k3 is still logged)")
+                   "process, not under FSDP2 nor with LoRA under the quantization-aware learner: it is off here (mismatch/k3 is "
+                   "still logged)")
     out.append(f"[train] {tr.task.name}: {plural(len(tr.task.train), 'training prompt')}, {len(tr.task.eval)} eval; "
                f"{plural(t.prompts_per_step, 'prompt')} x {plural(r.n, 'sample')} per step, {plural(t.steps, 'step')}; "
                f"precision {tr.prec.label}"
