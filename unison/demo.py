@@ -64,7 +64,7 @@ class Regime:
 STALE = {"rollout": {"max_staleness": 4}}
 #: the stale regime's cure (docs/experiments/demo_recipe.md, 6 seeds): Token-TIS, the off-policy correction
 #: (grpo_token_tis: each token weighted by min(π_old/μ, 2)), with the mismatch-budget LR that starts at 0.1× and earns
-#: its LR while the staleness k3 stays under half of 3e-3 — the default budget (full LR from step 1, target 1e-2)
+#: its LR while the k3 stays under half of 3e-3 — the default budget (full LR from step 1, target 1e-2)
 #: reacts only after the first updates on stale samples have broken the run, and the budget alone held 5/6 seeds
 #: The budget watches mismatch/k3, the whole k3 of μ against π_old: part 2 runs fp32 on both sides, where that is the
 #: staleness (the ledger puts 100% of it there), and it needs no pass of its own — the search's runs watched

@@ -131,7 +131,9 @@ def engine_trace(engine, batch, temperature: float) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def learner_trace(scorer, batch, temperature: float) -> dict[str, torch.Tensor]:
     """The learner's forward over ``batch`` in its compute dtype (fp32 parameters under autocast), every op
-    recorded; ``head`` as :func:`engine_trace`'s."""
+    recorded; ``head`` as :func:`engine_trace`'s, through the output layer's own matmul (the learner's scoring pass
+    takes log π of the sampled token through its fused head, equal to it within fp32 rounding: the ledger's chain
+    measures that pass)."""
     from unison.policy import logit_transform
 
     model = scorer.model
@@ -157,7 +159,7 @@ def compare(eng: dict[str, torch.Tensor], lrn: dict[str, torch.Tensor], batch, d
     rows, first = [], None
     for name in op_names(num_layers):
         e, r = eng[name], lrn[name]
-        if name == "head":  # compare probabilities' logs where μ puts its mass: the logits' own scale is arbitrary
+        if name == "head":  # the probabilities, not their logs: a log-prob's error is unbounded where p is tiny
             e, r = e.exp(), r.exp()
         err = float((e - r).norm() / r.norm().clamp(min=1e-30))
         above = err > line
@@ -211,7 +213,7 @@ def format_locate(results: list[dict]):
         cells = [(f"[bold]{err[o]['rel_error']:.2g}[/]" if err[o]["above"] else f"{err[o]['rel_error']:.2g}")
                  for o in shown]
         first = loc["first_above"]
-        table.add_row(arm_label(r), f"{loc['rounding_line']:.1g}",
+        table.add_row(loc["arm"], f"{loc['rounding_line']:.1g}",
                       f"{first} ({err[first]['rel_error']:.2g})" if first else "none", *cells,
                       f"{loc['full_kl_mean']:.3g}", f"{loc['full_kl_max']:.3g}")
     return table
@@ -220,7 +222,7 @@ def format_locate(results: list[dict]):
 def locate_markdown(results: list[dict]) -> str:
     """Every op of every arm, one row per op (``OUT/locate.md``)."""
     rows = [r for r in results if r.get("locate")]
-    labels = [arm_label(r) for r in rows]
+    labels = [r["locate"]["arm"] for r in rows]
     lines = ["# Where the engine and the learner part (`unison probe --locate`)", "",
              "Relative error ‖h_engine − h_learner‖ / ‖h_learner‖ of every op over the positions that predict "
              "response tokens (bold: above the arm's rounding line, 4 unit roundoffs of the engine's dtype); "

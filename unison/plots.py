@@ -50,9 +50,7 @@ def probe_plots(results: list[dict], samples: list[dict], plot_dir: Path) -> lis
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(_save(fig, plot_dir / "seq_log_ratio_vs_length.png"))
-    located = [(f"{r['engine']}/{r['precision']}" + ("" if r.get("quantization", "none") == "none"
-                                                      else f"/{r['quantization']}"), r["locate"])
-               for r in results if r.get("locate")]
+    located = [(r["locate"]["arm"], r["locate"]) for r in results if r.get("locate")]
     if located:
         paths.append(locate_plot(located, plot_dir))
     return paths

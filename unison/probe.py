@@ -378,7 +378,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             scorer.cast_params, scorer.qat = False, None
             found = locate.compare(engine_ops, locate.learner_trace(scorer, traced, cfg.temperature), traced,
                                    prec.rollout_dtype, len(scorer.model.model.layers))
-            results[len(results) - len(variants)]["locate"] = found
+            row = results[len(results) - len(variants)]
+            row["locate"] = {"arm": locate.arm_label(row), **found}
             log(f"[probe] {label}: engine and learner first part at "
                 f"{found['first_above'] or 'no op (every op within its rounding)'}; full-vocabulary KL "
                 f"{found['full_kl_mean']:.3g} per position (max {found['full_kl_max']:.3g})")

@@ -36,7 +36,7 @@ STALE_CURES = {
     "k4budget-warmup10": "mismatch_budget LR + 10 warm-up steps",
     "k4warmup10": "10 warm-up steps alone (control)",
     "k4lr3e-5": "constant LR 3e-5 (control)",
-    "k0lr2e-5": "none — fresh samples (K = 0) at a constant LR 2e-5 (control: the clean run at the cure's LR)",
+    "k0lr2e-5": "fresh samples (K = 0) at a constant LR 2e-5, the clean run at the cure's LR (its cure column)",
     "k4budget-start0.1": "mismatch_budget LR, start 0.1",
     "k4budget-start0.1-target3e-3": "mismatch_budget LR, start 0.1, target 3e-3",
     "k4budget-start0.1-target3e-3-tis": "mismatch_budget LR, start 0.1, target 3e-3 + Token-TIS (grpo_token_tis)",
@@ -90,6 +90,8 @@ REFERENCES = {f"{STALE}:k0lr2e-5"}
 
 
 def regime(group) -> str:
+    if group in REFERENCES:
+        return f"reference: {STALE_CURES[group.split(':', 1)[1]]}"
     if str(group).startswith(STALE):
         variant = group.split(":", 1)[1]
         return f"K = 4 stale, GRPO; cure: {STALE_CURES.get(variant, variant)}"

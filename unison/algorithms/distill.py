@@ -33,7 +33,8 @@ def reverse_kl_metrics(logp_old: torch.Tensor, logp_mu: torch.Tensor, logp_teach
                        mask: torch.Tensor) -> dict[str, float]:
     """The per-token reverse KL estimate (k1, mean over masked tokens) with the student term from π_old and
     from μ, and the mismatch's share of the μ recipe's signal: mean |log μ − log π_old| over mean
-    |log μ − log π_teacher| (1: the μ recipe would train on the mismatch alone; 0 when it has no signal)."""
+    |log μ − log π_teacher| (≈ 1 or above: the μ recipe's signal is mismatch, all of it when π_old equals the teacher;
+    above 1 when the learner's own numerics differ from the teacher's too; 0 when it has no signal)."""
     m = mask.to(torch.float32)
     n = max(float(m.sum()), 1.0)
     rk_pi = (logp_old.float() - logp_teacher.float()) * m
