@@ -190,7 +190,7 @@ def cmd_train(args) -> int:
         config = saved
     cfg = load_config(config, _sets(args))
     summary = Trainer(cfg, args.out, resume=args.resume).fit()
-    current().close()  # a torchrun job's process group ends with its run (one process: nothing to do)
+    current().finish()  # a torchrun job's ranks end their group together (one process: nothing to do)
     if current().is_main:
         print(done_line(summary, args.out))
     return 0
@@ -475,6 +475,25 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through torchrun
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``unison``: the exit status of the command. A rank of a torchrun job that succeeded ends here
+    without the interpreter's teardown: gloo's worker threads, destroyed while Python finalises, can
+    abort the process ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded, and torchrun then fails the job. Everything the run keeps is written and closed by then.
+    A failing rank exits as any process does, which gives its peers the time to say why they failed."""
+    rc = _main(argv)
+    from unison.distributed import current, under_torchrun
+
+    if rc == 0 and under_torchrun():
+        import os
+
+        current().close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return rc
+
+
+def _main(argv: list[str] | None) -> int:
     import signal
 
     from unison.threads import prepare_environment

@@ -99,6 +99,13 @@ class Dist:
         """Where collective buffers live (CUDA for NCCL, CPU for gloo)."""
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    def finish(self) -> None:
+        """The normal end of a job: wait for every rank, then end the group. A rank that left while
+        another still worked (rank 0 writing the report) ended its group alone, and a gloo group torn
+        down that way can abort its process on the way out."""
+        self.barrier()
+        self.close()
+
     def close(self) -> None:
         if self.enabled:
             import torch.distributed as dist
