@@ -4,6 +4,7 @@ Native engine in a worker process fed through shared memory; a vLLM server (the 
 API) with requests in flight; the mismatch split into numerics and staleness; faults."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,25 +126,40 @@ def _prompts(run, step):
     return sorted(json.loads(x)["prompt"] for x in (run / "rollouts" / f"step_{step:06d}.jsonl").open())
 
 
-@pytest.mark.parametrize("dapo", [False, True])
-def test_resume_with_batches_in_flight_trains_nothing_twice(tmp_path, rewards, dapo):
-    sets = ["rollout.max_staleness=1", "checkpoint.every=2", "log.rollouts=true"]
-    if dapo:  # refill rounds draw prompts between the jobs submitted ahead
-        sets += ["train.drop_uniform_groups=true", "train.oversample_rounds=1", "task.truncated_reward=0"]
+def test_resume_with_dapo_refills_in_flight_equals_the_uninterrupted_run(tmp_path, rewards):
+    # the checkpoint keeps the older version the batch in flight is generated with (versions/): the resumed
+    # run regenerates that job (prompts and seeds recorded) from it, as the uninterrupted run generated it,
+    # and DAPO's refill rounds (prompts drawn between the jobs submitted ahead) follow. The plain loop's
+    # resume at K = 1 and 2 is test_async_faults.py's SIGKILL test
+    sets = ["rollout.max_staleness=1", "checkpoint.every=2", "log.rollouts=true", "train.drop_uniform_groups=true",
+            "train.oversample_rounds=1", "task.truncated_reward=0"]
     full = _run(tmp_path, "full", *sets, steps=4)
     _run(tmp_path, "part", *sets, steps=2)
+    kept = tmp_path / "part/checkpoints/step_000002/versions"
+    assert [p.name for p in kept.iterdir()] == ["version_000001.safetensors"]  # batch 3 is version 1's (K = 1)
+    shutil.copytree(tmp_path / "part", tmp_path / "old")  # as an older unison wrote it: no versions/
+    shutil.rmtree(tmp_path / "old/checkpoints/step_000002/versions")
+    ckpt.write_manifest(tmp_path / "old/checkpoints/step_000002")
     rows = _run(tmp_path, "part", *sets, steps=4, resume=True)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert _comparable(rows[:2]) == _comparable(full[:2])
+    assert _comparable(rows) == _comparable(full)
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     before = set(_prompts(tmp_path / "part", 1) + _prompts(tmp_path / "part", 2))
     after = set(_prompts(tmp_path / "part", 3) + _prompts(tmp_path / "part", 4))
     assert not before & after  # nothing trained before the checkpoint is trained again (40 prompts: no new epoch)
-    if not dapo:
-        # the job in flight at the checkpoint is the uninterrupted run's: the same prompts (and seeds),
-        # regenerated from version 2 (the checkpoint's) instead of version 1; with DAPO the regenerated
-        # samples decide which groups are dropped and refilled, so only the job itself is the same
-        assert _prompts(tmp_path / "part", 3) == _prompts(tmp_path / "full", 3)
-        assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert _same_weights(tmp_path / "part", tmp_path / "full", 4)
+    # without the older version the job in flight is regenerated from version 2 instead of 1 (fresher; with
+    # DAPO its samples then decide which groups are refilled); nothing trained twice or skipped
+    old = _run(tmp_path, "old", *sets, steps=4, resume=True)
+    assert [r["staleness/max"] for r in old] == [0.0, 1.0, 0.0, 1.0]
+    assert _comparable(old[2:]) != _comparable(full[2:])
+    assert not before & set(_prompts(tmp_path / "old", 3) + _prompts(tmp_path / "old", 4))
+
+
+def _same_weights(a, b, step):
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(r / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors") for r in (a, b))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_a_step_without_an_update_does_not_stall_an_engine_running_ahead(tmp_path, rewards):

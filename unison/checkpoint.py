@@ -9,6 +9,9 @@ A checkpoint ``checkpoints/step_NNNNNN/`` holds:
   parameter name, so it loads on another world size);
 * ``trainer_state.pt`` — step, schedule, prompt sampler, gradient-noise EMA,
   loss scaler, reward-error counters; ``rng_rank{R}.pt`` — each rank's RNGs;
+* ``versions/`` — with ``rollout.max_staleness`` K ≥ 1 on the native worker: the weights of the
+  older versions (up to K) the batches in flight are generated with, so that a resumed run trains
+  on exactly the batches the uninterrupted run would;
 * ``manifest.json`` — written last: every file with its size, and a SHA-256
   for the small ones.
 
@@ -37,6 +40,7 @@ from unison.errors import UnisonError
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
+KEPT = "versions"
 #: files up to this size also get a SHA-256 in the manifest (weights are checked by size)
 HASH_LIMIT = 64 * 2**20
 
@@ -238,6 +242,9 @@ class Checkpointer:
         d.barrier()
         self.learner.save_model(tmp / "model", self.tokenizer)  # collective; rank 0 writes
         self.learner.save_optimizer(tmp / "optimizer")  # collective
+        kept = self.source.kept_versions(step)  # the older weights the batches in flight need (async)
+        if d.is_main and kept:
+            save_kept_versions(tmp / KEPT, kept)
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # plain data and tensors: loads weights_only
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))},
@@ -300,8 +307,27 @@ class Checkpointer:
             kind, keys, *rest = r["numpy"]  # the keys: a tensor, or a numpy array (written by an older unison)
             np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
         step = state["step"]
-        self.source.resume(self.learner, step)
+        self.source.resume(self.learner, step, read_kept_versions(ck / KEPT))
         return step, None
+
+
+def save_kept_versions(folder: Path, kept: dict[int, dict[str, torch.Tensor]]) -> None:
+    """``versions/version_V.safetensors``: the fp32 weights of each older version the batches in flight
+    at a checkpoint are generated with (``rollout.max_staleness`` K ≥ 1: up to K copies of the model)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    for v, weights in kept.items():  # views of one shared buffer: each tensor is copied out
+        save_file({n: t.contiguous().clone() for n, t in weights.items()}, folder / f"version_{v:06d}.safetensors")
+
+
+def read_kept_versions(folder: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """What :func:`save_kept_versions` wrote ({} when the checkpoint kept none)."""
+    from safetensors.torch import load_file
+
+    if not folder.is_dir():
+        return {}
+    return {int(p.stem.removeprefix("version_")): load_file(p) for p in sorted(folder.glob("version_*.safetensors"))}
 
 
 def resumed_gemm(cfg, run_dir: Path) -> str:

@@ -56,8 +56,12 @@ def startup_lines(tr) -> list[str]:
     c = cfg.checkpoint
     when = " and ".join(x for x in (f"every {plural(c.every, 'step')}" if c.every else "",
                                     f"every {c.every_minutes:g} min" if c.every_minutes else "") if x)
-    out.append(f"[train] checkpoints: {when + ', ' if when else ''}on SIGTERM / Ctrl-C and at the end; ≈{12 * n / 2**30:.2g} GiB "
-               f"each (fp32 weights + AdamW state), {c.keep} kept (checkpoint.every, every_minutes, keep)")
+    r = cfg.rollout  # async on the native engine: the older versions the batches in flight need, for an exact resume
+    older = r.max_staleness if cfg.engine == "native" and r.stale_policy == "wait" else 0
+    what = "fp32 weights + AdamW state" + (f" + up to {plural(older, 'older version')} for the batches in flight"
+                                           if older else "")
+    out.append(f"[train] checkpoints: {when + ', ' if when else ''}on SIGTERM / Ctrl-C and at the end; "
+               f"≈{(12 + 4 * older) * n / 2**30:.2g} GiB each ({what}), {c.keep} kept (checkpoint.every, every_minutes, keep)")
     return out
 
 

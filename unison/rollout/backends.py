@@ -47,6 +47,10 @@ class NativeWorkerBackend:
     def weights(self, version: int):
         return self.worker.ring.read(version)
 
+    def publish_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """An older version's weights, kept by a checkpoint, into the ring (a resume)."""
+        self.worker.publish(version, weights.items())
+
     def submit(self, job, prompts, params, version):
         self.worker.submit(job, prompts, params, version)
 

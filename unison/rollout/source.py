@@ -177,7 +177,11 @@ class RolloutSource:
         """The weights of an older ``version``, if this source keeps them (for the mismatch split)."""
         return None
 
-    def resume(self, learner, step: int) -> None:
+    def kept_versions(self, step: int) -> dict:
+        """Nothing in flight between steps: no older version to keep (see :class:`AheadSource`)."""
+        return {}
+
+    def resume(self, learner, step: int, kept: dict | None = None) -> None:
         """After a checkpoint was loaded: the engine takes the learner's weights (version ``step``)."""
         push(self.engine, learner)
 
@@ -325,12 +329,28 @@ class AheadSource(RolloutSource):
     def weights(self, version: int):
         return self.backend.weights(version)
 
-    def resume(self, learner, step: int) -> None:
+    def kept_versions(self, step: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The weights of the versions older than ``step`` that the round-0 jobs in flight are (to be)
+        generated with (``stale_policy: wait``: version max(0, j − K) for batch j): a checkpoint at
+        ``step`` keeps them, so that a resumed run generates those batches as the uninterrupted run
+        does. Empty where the backend holds no copies (a vLLM server) or jobs take the newest (``drop``)."""
+        wanted = sorted({j.version for j in self.inflight
+                         if j.round == 0 and j.version is not None and j.version < step})
+        kept = {v: self.backend.weights(v) for v in wanted}
+        return {v: w for v, w in kept.items() if w is not None}
+
+    def resume(self, learner, step: int, kept: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         """Batches in flight at the checkpoint were lost with the process: the same jobs (prompts and
-        seeds, recorded in the checkpoint) are generated again from the checkpoint's weights (version
-        ``step``: the older ones are not kept), so the first K batches after a resume are fresher than
-        the run would have trained on; nothing is trained twice or skipped."""
-        self.floor = step
+        seeds, recorded in the checkpoint) are generated again. With the older versions they need
+        (``kept``, from the checkpoint: the native worker's) the engine gets those first, and the
+        resumed run trains on exactly the uninterrupted run's batches; without them (a vLLM server, or
+        a checkpoint written before unison kept them) from the checkpoint's weights (version ``step``),
+        so the first K batches are fresher than the run would have trained on. Nothing is trained twice
+        or skipped either way."""
+        kept = kept or {}
+        for v in sorted(kept):
+            self.backend.publish_weights(v, kept[v])
+        self.floor = min(kept, default=step)
         self.backend.publish(learner, step)
         self.next_job = step
 
