@@ -1,5 +1,3 @@
-import sys
+from unison.cli import entry
 
-from unison.cli import main
-
-sys.exit(main())
+entry()

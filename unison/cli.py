@@ -474,13 +474,14 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through torchrun
     os._exit(143)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``unison``: the exit status of the command. A rank of a torchrun job that succeeded ends here
-    without the interpreter's teardown: gloo's worker threads, destroyed while Python finalises, can
-    abort the process ("terminate called without an active exception", SIGABRT) after a run that
-    succeeded, and torchrun then fails the job. Everything the run keeps is written and closed by then.
-    A failing rank exits as any process does, which gives its peers the time to say why they failed."""
-    rc = _main(argv)
+def entry() -> None:
+    """The ``unison`` command (and ``python -m unison``): :func:`main`'s exit status. A rank of a torchrun
+    job that succeeded leaves without the interpreter's teardown: gloo's worker threads, destroyed while
+    Python finalises, can abort the process ("terminate called without an active exception", SIGABRT)
+    after a run that succeeded, and torchrun then fails the job. Everything the run keeps is written and
+    closed by then. A failing rank exits as any process does, which gives its peers the time to say why
+    they failed. (A program that calls :func:`main` itself keeps its interpreter.)"""
+    rc = main()
     from unison.distributed import current, under_torchrun
 
     if rc == 0 and under_torchrun():
@@ -490,10 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return rc
+    sys.exit(rc)
 
 
-def _main(argv: list[str] | None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import signal
 
     from unison.threads import prepare_environment
