@@ -267,7 +267,7 @@ class AheadSource(RolloutSource):
         super().__init__(backend, task, reward, tokenizer, prompt_ids, cfg, dist)
         self.max_staleness = cfg.rollout.max_staleness
         self.wait = cfg.rollout.stale_policy == "wait"
-        self.floor = 0  # after a resume, no older version than the checkpoint's exists
+        self.floor = 0  # after a resume, the oldest version the engine holds (a kept one, or the checkpoint's)
         self.inflight: deque[Job] = deque()
         self.next_job = 0  # the step of the next round-0 job to submit
         self._jobs = 0
@@ -336,8 +336,7 @@ class AheadSource(RolloutSource):
         does. Empty where the backend holds no copies (a vLLM server) or jobs take the newest (``drop``)."""
         wanted = sorted({j.version for j in self.inflight
                          if j.round == 0 and j.version is not None and j.version < step})
-        kept = {v: self.backend.weights(v) for v in wanted}
-        return {v: w for v, w in kept.items() if w is not None}
+        return {v: w for v in wanted if (w := self.backend.weights(v)) is not None}
 
     def resume(self, learner, step: int, kept: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         """Batches in flight at the checkpoint were lost with the process: the same jobs (prompts and
