@@ -155,6 +155,20 @@ def test_resume_with_dapo_refills_in_flight_equals_the_uninterrupted_run(tmp_pat
     assert not before & set(_prompts(tmp_path / "old", 3) + _prompts(tmp_path / "old", 4))
 
 
+def test_a_checkpoint_without_older_versions_regenerates_the_same_job_fresher(tmp_path, rewards):
+    # an older unison's checkpoint (no versions/): the job in flight is the uninterrupted run's, the same
+    # prompts (and seeds), regenerated from version 2 (the checkpoint's) instead of version 1
+    sets = ["rollout.max_staleness=1", "checkpoint.every=2", "log.rollouts=true"]
+    full = _run(tmp_path, "full", *sets, steps=4)
+    _run(tmp_path, "old", *sets, steps=2)
+    shutil.rmtree(tmp_path / "old/checkpoints/step_000002/versions")
+    ckpt.write_manifest(tmp_path / "old/checkpoints/step_000002")
+    rows = _run(tmp_path, "old", *sets, steps=4, resume=True)
+    assert _prompts(tmp_path / "old", 3) == _prompts(tmp_path / "full", 3)
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert _comparable(rows[:2]) == _comparable(full[:2])
+
+
 def _same_weights(a, b, step):
     from safetensors.torch import load_file
 
