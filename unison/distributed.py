@@ -102,8 +102,13 @@ class Dist:
     def finish(self) -> None:
         """The normal end of a job: wait for every rank, then end the group. A rank that left while
         another still worked (rank 0 writing the report) ended its group alone, and a gloo group torn
-        down that way can abort its process on the way out."""
-        self.barrier()
+        down that way can abort its process on the way out. A colocated vLLM engine that joined the
+        group (external_launcher) takes the group down with it when it shuts: nothing is left to wait on."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
         self.close()
 
     def close(self) -> None:
