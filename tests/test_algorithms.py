@@ -366,3 +366,9 @@ def test_loglinear_alpha_and_logp_by_hand():
     old = OldLogp("loglinear", v_behave=v, step=5, mini_batches=4)
     assert old(torch.tensor([0]), theta[:1], mu[:1], 2)[0, 0].item() == pytest.approx(-1.2)
     assert torch.equal(OldLogp("fused")(torch.tensor([0]), theta[:1], mu[:1], 0), theta[:1])
+    # per token: a response a sync reached mid-way, its first token of version 3 and its second of version 4;
+    # mini-batch 2 of 4 at step 5 (v_θ = 5.5): α = 2/2.5 and 1/1.5 — each token from its own version
+    tv = torch.tensor([[3, 4]])
+    assert loglinear_alpha(tv, 5.0, 5.5).tolist() == [pytest.approx([0.8, 2 / 3])]
+    got = OldLogp("loglinear", v_behave=tv, step=5, mini_batches=4)(torch.tensor([0]), theta[:1], mu[:1], 2)
+    assert got[0].tolist() == pytest.approx([-2.0 + 0.8, -2.0 + 2 / 3])

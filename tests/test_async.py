@@ -300,20 +300,45 @@ def test_server_drop_policy_syncs_in_flight_and_drops_what_is_too_stale(tmp_path
         t.on_step = lambda m: m["step"] >= 2 and released.set()
         t.fit()
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
-    assert "keep" in stub.pause_modes  # weights reached the server with requests in flight
+    assert "abort" in stub.pause_modes  # weights reached the server with requests in flight
     assert sum(r["staleness/dropped"] for r in rows) > 0
     assert all(r["staleness/max"] is None or r["staleness/max"] <= 1.0 for r in rows if "staleness/max" in r)
 
 
-def test_spanning_fraction_counts_the_responses_a_sync_reached_mid_way():
-    """Two responses sampled under version 3, one of them finished under version 4: half the batch spans a sync;
-    staleness counts from each response's first version."""
+def test_staleness_counts_each_token_from_the_version_that_sampled_it():
+    """Two responses at step 5: one wholly sampled by version 3, one whose first token version 3 sampled and the
+    next two version 4 (a sync reached it mid-way). Per token the staleness is 2, 2 | 2, 1, 1: mean 8/5, max 2;
+    half the responses span a sync. The batch keeps each token's version, the row its first."""
     from unison.batch import Completion, collate
     from unison.telemetry import batch_metrics
 
-    comps = [Completion([1, 2], [3, 4], [-0.1, -0.2], "stop", versions=(3, 3)),
-             Completion([1, 2], [5], [-0.3], "stop", sample_index=1, versions=(3, 4))]
+    comps = [Completion([1, 2], [3, 4], [-0.1, -0.2], "stop", version=3),
+             Completion([1], [6, 7, 8], [-0.3, -0.4, -0.5], "stop", sample_index=1, token_versions=[3, 4, 4])]
+    assert comps[1].versions == (3, 4) and comps[1].version == 3 and comps[0].versions_of_tokens() == [3, 3]
     batch = collate(comps, 0)
     batch.rewards = torch.tensor([1.0, 0.0])
+    assert batch.version.tolist() == [3, 3]
+    # prompt and padding positions hold the row's first version
+    assert batch.token_version.tolist() == [[3, 3, 3, 3], [3, 3, 4, 4]]
+    assert batch.spanning().tolist() == [False, True]
     m = batch_metrics(batch, 5)
-    assert m["staleness/spanning_fraction"] == 0.5 and m["staleness/mean"] == 2.0
+    assert m["staleness/spanning_fraction"] == 0.5
+    assert m["staleness/mean"] == pytest.approx(8 / 5) and m["staleness/max"] == 2.0
+    # a row of one version only: the same numbers as without per-token versions
+    plain = collate([comps[0]], 0)
+    plain.rewards = torch.zeros(1)
+    assert plain.token_version is None and batch_metrics(plain, 5)["staleness/mean"] == 2.0
+    # scoring by version: each position from the weights that sampled it (a scorer that answers its version)
+    from unison.batch import by_version
+
+    seen = []
+    got = by_version(batch, lambda part, u: seen.append((u, part.size)) or torch.full(part.tokens.shape, float(u)))
+    assert seen == [(3, 2), (4, 1)]  # version 3 scores both rows, version 4 only the row that holds its tokens
+    assert got.tolist() == [[3.0] * 4, [3.0, 3.0, 4.0, 4.0]]
+    kept = by_version(batch, lambda part, u: torch.full(part.tokens.shape, float(u)), out=torch.full((2, 4), -1.0),
+                      skip={3})
+    assert kept.tolist() == [[-1.0] * 4, [-1.0, -1.0, 4.0, 4.0]]  # skipped versions keep ``out``'s values
+    with pytest.raises(ValueError, match="must not decrease"):
+        Completion([1], [6, 7], [-0.3, -0.4], "stop", token_versions=[4, 3])
+    with pytest.raises(ValueError, match="same length"):
+        Completion([1], [6, 7], [-0.3, -0.4], "stop", token_versions=[4])

@@ -527,7 +527,7 @@ def test_2_a_reload_that_fails_in_flight_returns_none_of_the_requests_it_spanned
         gen.join(60)
         assert isinstance(box.get("error"), UnisonError), box  # not samples of half-loaded layers
         assert "failed the weight reload" in str(box["error"])
-        assert stub.pause_modes == ["wait", "keep", "abort"] and not stub.paused
+        assert stub.pause_modes == ["wait", "abort", "abort"] and not stub.paused
         with pytest.raises(UnisonError, match="failed the weight reload"):  # and nothing after it either
             eng.generate([[1, 5, 6]], SamplingParams(n=1, max_tokens=2))
         eng.close()
@@ -610,7 +610,7 @@ def test_15_requests_sent_while_a_pause_is_in_flight_take_the_new_version(tmp_pa
         prepared = eng.prepare_sync(weight_update(eng, learner))
         sync = threading.Thread(target=lambda: eng.apply_sync(prepared, in_flight=True, version=1))
         sync.start()
-        assert stub.event("pause:keep").wait(60)  # the pause is in flight (effective at once, answered later)
+        assert stub.event("pause:abort").wait(60)  # the pause is in flight (effective at once, answered later)
         _release_on(stub, "completion", hold)
         comps = eng.generate([[1, 5, 6]], SamplingParams(n=2, max_tokens=3, seed=3))
         sync.join()
@@ -621,8 +621,68 @@ def test_15_requests_sent_while_a_pause_is_in_flight_take_the_new_version(tmp_pa
     assert all(c.versions == (1, 1) for c in comps), [c.versions for c in comps]  # not (0, 1): one too old
 
 
+def _truth(c) -> list[int]:
+    """The version that really sampled each token of a stub completion: its log-prob says the reloads done when
+    its request began (−2 − 0.01 · reloads; reload r loads version r − 1)."""
+    return [round((-2.0 - lp) / 0.01) - 1 for lp in c.logprobs]
+
+
+def test_15_per_token_versions_on_a_response_that_spans_two_syncs(tmp_path, learner):
+    # the request is held in generation; each in-flight sync aborts it (2 tokens sampled so far), and the engine
+    # continues it from them under the new weights: 2 tokens of version 0, 2 of version 1, the rest of version 2
+    hold = threading.Event()
+    with _stub(_tiny(), hold_completions=hold) as stub:
+        eng = _server(stub.url, tmp_path)
+        eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), version=0)
+        box: dict = {}
+        gen = threading.Thread(target=lambda: box.setdefault("comps", eng.generate(
+            [[1, 5, 6]], SamplingParams(n=2, max_tokens=8, seed=3))))
+        gen.start()
+        for v, want in ((1, 1), (2, 2)):  # sync 1 reaches the request (n = 2), sync 2 its two continuations
+            _until(lambda: _generating(stub) >= want, f"{want} completion(s) being generated")
+            eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), in_flight=True, version=v)
+        _until(lambda: _generating(stub) >= 2, "both continuations of version 2 being generated")
+        hold.set()
+        gen.join(60)
+        eng.close()
+    comps = box["comps"]
+    assert len(comps) == 2
+    for c in comps:
+        tv = c.versions_of_tokens()
+        assert tv[:4] == [0, 0, 1, 1] and set(tv[4:]) == {2} and len(tv) >= 5, tv
+        assert tv == _truth(c)  # each token labelled with the weights that sampled it, exactly
+        assert c.versions == (0, 2) and c.finish_reason == "length" and len(c.token_ids) <= 8
+    # the server saw: the request (n = 2) aborted, one continuation per sample (n = 1) aborted, then finished
+    prompts = [seg[0] for seg in stub.segments]
+    assert [seg[3] for seg in stub.segments] == [True, True, True, False, False]
+    assert prompts[0] == [1, 5, 6] and all(p[:3] == [1, 5, 6] and len(p) == 5 for p in prompts[1:3])
+    assert all(len(p) == 7 for p in prompts[3:])
+    assert all(start == end for _, start, end, _ in stub.segments)  # no request ran across a reload
+    from unison.batch import collate
+    from unison.telemetry import batch_metrics
+
+    batch = collate(comps, 0)
+    batch.rewards = torch.zeros(2)
+    m = batch_metrics(batch, 2)
+    assert m["staleness/spanning_fraction"] == 1.0 and m["staleness/max"] == 2.0
+    n = [len(c.token_ids) for c in comps]
+    assert m["staleness/mean"] == pytest.approx(sum(2 * 2 + 2 * 1 for _ in comps) / sum(n))
+
+
+def _until(done, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.01)
+
+
+def _generating(stub) -> int:
+    """Completions the stub is generating now (gone into generation, not yet answered)."""
+    return stub.started - len(stub.segments)
+
+
 def test_15_server_labels_are_never_newer_than_the_weights_that_sampled(tmp_path, learner):
-    # in-flight syncs against a stream of requests: count the labels that are one version too old
+    # in-flight syncs against a stream of requests: every token's label against the weights that really sampled it
     # each sync lands while a request is held in generation (released once the sync is done): every one of
     # the 5 is spanned by a response, whatever the machine's timing; others run between them
     hold = threading.Event()
@@ -635,44 +695,38 @@ def test_15_server_labels_are_never_newer_than_the_weights_that_sampled(tmp_path
             i = 0
             while not done.is_set():
                 i += 1
-                comps.extend((c, i) for c in eng.generate([[1, 5, 6]], SamplingParams(n=1, max_tokens=2, seed=i)))
+                comps.extend(eng.generate([[1, 5, 6]], SamplingParams(n=1, max_tokens=2, seed=i)))
 
         t = threading.Thread(target=requests)
         t.start()
         for v in range(1, 6):
-            generating = stub.event("generating")
-            assert generating.wait(60)
-            generating.clear()
+            _until(lambda: _generating(stub) >= 1, "a completion being generated")
             eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), in_flight=True, version=v)
-            n = len(stub.gen_log)
-            hold.set()  # the held request ends under version v
+            n = len(comps)
+            hold.set()  # the continuation ends under version v
             deadline = time.monotonic() + 60
-            while len(stub.gen_log) == n and time.monotonic() < deadline:
+            while len(comps) == n and time.monotonic() < deadline:
                 time.sleep(0.01)
             hold.clear()
         done.set()
         hold.set()
         t.join()
         eng.close()
-    from unison.rollout.vllm_engine import _prompt_seeds
-
-    truth = {}
-    for seed, start, end in stub.gen_log:
-        truth[seed] = (start - 1, end - 1)
-    too_old = 0
-    for c, i in comps:
-        first, last = truth[_prompt_seeds(SamplingParams(n=1, max_tokens=2, seed=i), 1)[0]]
-        assert c.versions[0] <= first and c.versions[1] >= last  # the bound holds: never newer
-        too_old += c.versions[0] < first
-    spans = sum(c.versions[0] < c.versions[1] for c, _ in comps)
-    assert len(comps) >= 3 and spans, (len(comps), spans)  # requests were in flight across the syncs
+    exact = older = 0
+    for c in comps:
+        for label, truth in zip(c.versions_of_tokens(), _truth(c)):
+            assert label <= truth  # the bound holds: never newer
+            exact += label == truth
+            older += label < truth
+    spans = sum(c.versions[0] < c.versions[1] for c in comps)
+    assert len(comps) >= 5 and spans >= 5, (len(comps), spans)  # every sync reached a response mid-way
     from unison.batch import collate
     from unison.telemetry import batch_metrics
 
-    batch = collate([c for c, _ in comps], 0)
+    batch = collate(comps, 0)
     batch.rewards = torch.zeros(batch.size)
     assert batch_metrics(batch, 6)["staleness/spanning_fraction"] == pytest.approx(spans / len(comps))  # the batch says so
-    print(f"{too_old} of {len(comps)} responses labelled one version older than the weights that sampled them")
+    print(f"{older} of {exact + older} tokens labelled older than the weights that sampled them")
 
 
 # ------------------------------------------------------------------ the docs

@@ -60,8 +60,8 @@ class _Learner:
 
 
 def _batch(step):
-    comps = [Completion([5], [7, 8], MU[0], "stop", versions=(step - 1, step - 1)),
-             Completion([6], [9], MU[1], "stop", prompt_index=1, versions=(step, step))]
+    comps = [Completion([5], [7, 8], MU[0], "stop", version=step - 1),
+             Completion([6], [9], MU[1], "stop", prompt_index=1, version=step)]
     return collate(comps, pad_id=0)
 
 

@@ -7,10 +7,11 @@ or fail (``fail_after``) once a number of completion requests have been served.
 
 Like vLLM it pauses (``/pause?mode=wait|keep|abort``): a completion that arrives or is being
 generated (``completion_delay`` seconds) while it is paused waits for ``/resume``; ``abort`` ends
-those in flight with finish reason ``abort``. Reloads can be slow (``reload_delay``) or fail
-(``fail_reloads``: their 1-based numbers answer 500), a pause can take a while to return
-(``pause_delay``, effective at once), and ``gen_log`` records for every completion the reloads done
-when it started and when it ended (the weights it was really generated with).
+those being generated at once with finish reason ``abort`` and the tokens sampled so far (their
+log-probs say which weights sampled them: −2 − 0.01 · the reloads done). Reloads can be slow
+(``reload_delay``) or fail (``fail_reloads``: their 1-based numbers answer 500), a pause can take a
+while to return (``pause_delay``, effective at once), and ``gen_log`` / ``segments`` record for every
+completion the reloads done when it started and when it ended (the weights it was really generated with).
 
 Tests order themselves on what the server did, never on how long something takes (a busy machine
 stretches every delay): ``event(name)`` is set once the server has done ``name`` — ``"completion"`` (a
@@ -34,7 +35,8 @@ class StubServer:
                  hang_after: int | None = None, fail_after: int | None = None, dev_mode: bool = True,
                  reload_delay: float = 0.0, server_info: dict | None = None, probe_frozen_after: int | None = None,
                  completion_delay: float = 0.0, fail_reloads=(), pause_delay: float = 0.0, script=None,
-                 hold_completions: threading.Event | None = None, hold_reloads: threading.Event | None = None):
+                 hold_completions: threading.Event | None = None, hold_reloads: threading.Event | None = None,
+                 abort_tokens: int = 2):
         self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
         self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
         self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: pause/resume and collective_rpc exist
@@ -42,12 +44,17 @@ class StubServer:
         self.probe_frozen_after, self.completion_delay = probe_frozen_after, completion_delay
         self.fail_reloads, self.pause_delay = set(fail_reloads), pause_delay
         self.hold_completions, self.hold_reloads = hold_completions, hold_reloads
+        self.abort_tokens = abort_tokens  # the tokens an aborted completion had sampled (at most max_tokens − 1)
         self._events: dict[str, threading.Event] = {}
         self.paused = False
         self.resumed = threading.Condition()
         self.aborts = 0  # /pause?mode=abort calls: completions in flight then end with "abort"
+        self.abort_reloads: list[int] = []  # the reloads done when each abort came (what its requests ran under)
         self.reload_paths: list[str] = []
         self.gen_log: list[tuple[int, int, int]] = []  # (seed, reloads at the start, reloads at the end)
+        #: every completion as (prompt ids, reloads at its start, at its end, aborted): a continuation's prompt
+        #: is the original one and the tokens sampled before the abort
+        self.segments: list[tuple[list[int], int, int, bool]] = []
         self.server_info = server_info or {"vllm_config": {"model_config": {"quantization": None},
                                                            "weight_transfer_config": None}}
         self.pause_modes: list[str] = []
@@ -56,6 +63,7 @@ class StubServer:
         self.script = script
         self.prompts: list[list[int]] = []
         self.completions = 0
+        self.started = 0  # completions that went into generation (arrived, and the server not paused)
         self.reloads = 0
         self.calls: list[str] = []
         self.lock = threading.Lock()
@@ -102,7 +110,9 @@ class StubServer:
                     stub.pause_modes.append(mode)
                     with stub.resumed:
                         stub.paused = True
-                        stub.aborts += mode == "abort"
+                        if mode == "abort":
+                            stub.aborts += 1
+                            stub.abort_reloads.append(stub.reloads)
                         stub.resumed.notify_all()
                     stub.event(f"pause:{mode}").set()
                     time.sleep(stub.pause_delay)
@@ -154,22 +164,19 @@ class StubServer:
                     return self._send(200, {"choices": [{"index": i, "token_ids": toks, "finish_reason": "stop",
                                                          "logprobs": {"token_logprobs": [-0.5] * len(toks)}}
                                                         for i in range(body.get("n", 1))]})
-                aborts = stub.aborts
-                start = stub._run_unpaused(0.0)  # a request that arrives paused waits for /resume
+                start, aborts = stub._wait_unpaused()  # a request that arrives paused waits for /resume
                 stub.event("generating").set()
-                stub._run_unpaused(stub.completion_delay)
-                if stub.hold_completions is not None:
-                    assert stub.hold_completions.wait(120), "the test never released the completion"
-                    stub._run_unpaused(0.0)  # and never finishing paused
-                end = stub.reloads
-                finish = "abort" if stub.aborts > aborts else "length"
+                aborted, end = stub._generate(stub.completion_delay, aborts)
                 stub.gen_log.append((body.get("seed", 0), start, end))
+                stub.segments.append((list(prompt), start, end, aborted))
                 rng = random.Random(body.get("seed", 0))
                 choices = []
                 for i in range(body.get("n", 1)):
-                    toks = [rng.randrange(4, stub.vocab) for _ in range(rng.randint(1, body["max_tokens"]))]
-                    choices.append({"index": i, "token_ids": toks, "finish_reason": finish,
-                                    "logprobs": {"token_logprobs": [-2.0] * len(toks)}})
+                    # aborted: the tokens sampled so far (``abort_tokens``, fewer than asked for); else 1..max_tokens
+                    k = min(stub.abort_tokens, body["max_tokens"] - 1) if aborted else rng.randint(1, body["max_tokens"])
+                    toks = [rng.randrange(4, stub.vocab) for _ in range(k)]
+                    choices.append({"index": i, "token_ids": toks, "finish_reason": "abort" if aborted else "length",
+                                    "logprobs": {"token_logprobs": [-2.0 - 0.01 * start] * len(toks)}})
                 return self._send(200, {"choices": choices})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -182,23 +189,33 @@ class StubServer:
         with self.lock:
             return self._events.setdefault(name, threading.Event())
 
-    def _run_unpaused(self, seconds: float) -> int:
-        """Spend ``seconds`` generating, frozen while paused (and never finishing paused); the reloads
-        done when it began."""
-        step = 0.01
+    def _generate(self, seconds: float, aborts: int) -> tuple[bool, int]:
+        """Spend ``seconds`` generating (and, with ``hold_completions``, until the test sets it), frozen while
+        paused and never finishing paused. ``(aborted, the reloads done when it ended)``: aborted as soon as a
+        ``pause?mode=abort`` ends it (vLLM answers an aborted request at once, with the tokens sampled so far;
+        its end is the abort, whenever this thread notices it — a reload may have begun by then)."""
+        left, step, deadline = seconds, 0.01, time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, "the test never released the completion"
+            with self.resumed:
+                if self.aborts > aborts:
+                    return True, self.abort_reloads[aborts]
+                if not self.paused and left <= 0 and (self.hold_completions is None or self.hold_completions.is_set()):
+                    return False, self.reloads
+                if self.paused:
+                    self.resumed.wait(step)
+                    continue
+            time.sleep(step)
+            left -= step
+
+    def _wait_unpaused(self) -> tuple[int, int]:
+        """Wait while the server is paused; the reloads and aborts done when it went on (from here on the
+        request is being generated: the next abort ends it)."""
         with self.resumed:
             while self.paused:
                 self.resumed.wait()
-            began = self.reloads
-        left = seconds
-        while True:
-            with self.resumed:
-                while self.paused:
-                    self.resumed.wait()
-                if left <= 0:
-                    return began
-            time.sleep(min(step, left))
-            left -= step
+            self.started += 1
+            return self.reloads, self.aborts
 
     def __enter__(self):
         self.thread.start()

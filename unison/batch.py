@@ -12,7 +12,8 @@ Layout of :class:`RolloutBatch` (one row per response)::
 Per-token tensors are aligned with ``tokens``: position ``t`` holds the
 log-probability of ``tokens[:, t]`` given everything before it. Keeping one
 alignment everywhere removes the classic off-by-one of shifted logits.
-``version`` is the policy version (weight updates applied) that sampled each row.
+``version`` is the policy version (weight updates applied) that sampled each row's first token,
+``token_version`` (when a weight sync reached the engine mid-response) each token's.
 Later stages fill ``logp_old`` (the learner's score pass), ``rewards``,
 ``advantages`` and correction ``weights``. ``extras`` holds what some runs have: ``routing`` (MoE:
 the engine's expert choices, [B, L, layers, k]) and ``support`` (top-p / top-k: the size of the
@@ -41,9 +42,13 @@ class Completion:
     #: MoE models: the experts each input token selected in the engine, [inputs, layers, k]
     #: (inputs = prompt + response − 1: the last token is never fed back)
     routing: torch.Tensor | None = None
-    #: the policy versions (weight updates applied) the engine held when it sampled the first and
-    #: the last token: equal unless a weight update reached the engine mid-response
-    versions: tuple[int, int] = (0, 0)
+    #: the policy version (weight updates applied) the engine held when it sampled the first token
+    version: int = 0
+    #: the version that sampled each token of ``token_ids``, where a weight sync reached the engine
+    #: mid-response (the vLLM server with in-flight syncs continues the response under the new weights);
+    #: None: every token is ``version``. An episode's environment tokens carry the version of the model
+    #: token before them (nothing scores them).
+    token_versions: list[int] | None = None
     #: top-p / top-k sampling: the size c of the support each token was drawn from (its c most probable
     #: tokens; 0 = the whole vocabulary), for sampling-mask replay; None when the engine did not record it
     support: list[int] | None = None
@@ -59,6 +64,27 @@ class Completion:
             raise ValueError("token_ids and logprobs must have the same length")
         if self.mask is not None and len(self.mask) != len(self.token_ids):
             raise ValueError("token_ids and mask must have the same length")
+        if self.token_versions is not None:
+            tv = self.token_versions
+            if len(tv) != len(self.token_ids):
+                raise ValueError("token_ids and token_versions must have the same length")
+            if any(b < a for a, b in zip(tv, tv[1:])):
+                raise ValueError(f"token_versions must not decrease along a response: {tv}")
+            if tv:
+                self.version = tv[0]
+
+    def set_version(self, v: int) -> None:
+        """The whole response was sampled by version ``v``."""
+        self.version, self.token_versions = v, None
+
+    def versions_of_tokens(self) -> list[int]:
+        """The version that sampled each token of ``token_ids``."""
+        return list(self.token_versions) if self.token_versions is not None else [self.version] * len(self.token_ids)
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """The versions of the first and the last token: equal unless a sync reached the engine mid-response."""
+        return self.version, (self.token_versions[-1] if self.token_versions else self.version)
 
     @property
     def num_sampled(self) -> int:
@@ -76,9 +102,11 @@ class RolloutBatch:
     response_lens: torch.Tensor    # [B]
     group_ids: torch.Tensor        # [B] index of the prompt each response answers
     truncated: torch.Tensor        # [B] bool: finished by max tokens, not EOS
-    #: [B] the policy version that sampled each response (its first token; ``version_last``: its last)
+    #: [B] the policy version that sampled each response's first token (the oldest of its tokens)
     version: torch.Tensor | None = None
-    version_last: torch.Tensor | None = None
+    #: [B, L] the version that sampled each response token (a response a weight sync reached mid-way spans
+    #: two or more); prompt and padding positions hold the row's ``version``. None: each row is ``version``
+    token_version: torch.Tensor | None = None
     logp_old: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -91,6 +119,32 @@ class RolloutBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    def token_versions(self, default: int = 0) -> torch.Tensor:
+        """[B, L] the version of every position (``token_version``, else each row's ``version``, else ``default``)."""
+        if self.token_version is not None:
+            return self.token_version
+        if self.version is not None:
+            return self.version[:, None].expand(self.tokens.shape).clone()
+        return torch.full(self.tokens.shape, default, dtype=torch.int64)
+
+    def version_parts(self, default: int = 0):
+        """``(u, rows, where)`` for every version u in the batch: the rows that hold a token of version u and
+        ``where`` [len(rows), L], the positions of those rows that u sampled (prompt and padding positions go
+        with the row's first version, so the parts cover every position once)."""
+        tv = self.token_versions(default)
+        for u in sorted(set(tv.unique().tolist())):
+            at = tv == u
+            rows = at.any(dim=1).nonzero().squeeze(-1)
+            yield int(u), rows, at[rows]
+
+    def spanning(self) -> torch.Tensor:
+        """[B] bool: the response's tokens were sampled by more than one version."""
+        if self.token_version is None:
+            return torch.zeros(self.size, dtype=torch.bool)
+        m = self.response_mask.bool()
+        hi = torch.where(m, self.token_version, torch.iinfo(torch.int64).min).amax(dim=1)
+        return hi > self.version
 
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
         """Rows ``idx`` of every per-row tensor (for mini-batches)."""
@@ -105,6 +159,20 @@ class RolloutBatch:
             else:
                 out[name] = value
         return RolloutBatch(**out)
+
+
+def by_version(batch: RolloutBatch, score_fn, default: int = 0, out: torch.Tensor | None = None,
+               skip: frozenset | set = frozenset()) -> torch.Tensor:
+    """[B, L] log-probs of ``batch``, each position from the version that sampled it: ``score_fn(sub_batch, u)``
+    scores the rows holding tokens of version u (not those in ``skip``: ``out`` keeps its values there).
+    ``default``: the version of a batch that records none."""
+    out = torch.zeros(batch.tokens.shape, dtype=torch.float32) if out is None else out
+    for u, rows, where in batch.version_parts(default):
+        if u in skip:
+            continue
+        scored = score_fn(batch.select(rows), u).to(out.device, out.dtype)
+        out[rows] = torch.where(where.to(out.device), scored, out[rows])
+    return out
 
 
 def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] | None = None) -> RolloutBatch:
@@ -147,14 +215,21 @@ def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] 
                 s = (0 if layout is None else layout[0] - len(c.prompt_ids)) + len(c.prompt_ids)
                 support[i, s:s + len(c.support)] = torch.tensor(c.support, dtype=torch.int64)
         extras["support"] = support
+    first = torch.tensor([c.version for c in completions], dtype=torch.int64)
+    token_version = None
+    if any(c.token_versions is not None for c in completions):
+        token_version = first[:, None].repeat(1, L)
+        for i, c in enumerate(completions):
+            if c.token_versions:
+                s = (0 if layout is None else layout[0] - len(c.prompt_ids)) + len(c.prompt_ids)
+                token_version[i, s:s + len(c.token_versions)] = torch.tensor(c.token_versions, dtype=torch.int64)
     return RolloutBatch(
         tokens=tokens, attention_mask=attention, response_mask=resp, logp_mu=logp_mu, extras=extras,
         prompt_lens=torch.tensor([len(c.prompt_ids) for c in completions]),
         response_lens=torch.tensor([c.num_sampled for c in completions]),
         group_ids=torch.tensor([c.prompt_index for c in completions]),
         truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
-        version=torch.tensor([c.versions[0] for c in completions]),
-        version_last=torch.tensor([c.versions[1] for c in completions]),
+        version=first, token_version=token_version,
     )
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from unison.batch import by_version
 from unison.errors import UnisonError
 from unison.mismatch import k1, k3
 
@@ -117,8 +118,7 @@ class Ledger:
         mu = batch.logp_mu
         present, measured = self.plan.present, self.plan.measured
         self._held = self.held_weights() if self.held_weights is not None else None  # before the update: version step
-        versions = batch.version if batch.version is not None else torch.full((batch.size,), step)
-        stale = "staleness" in present and bool((versions != step).any())
+        stale = "staleness" in present and bool((batch.token_versions(step) != step).any())
         final = {"quantization": self.final_quantize, "truncation": self.final_replay,
                  "routing": self.final_routing, "staleness": True}
         # the learner "as the engine ran": its quantizer, the sampled support and routing, the sample's version
@@ -132,12 +132,12 @@ class Ledger:
             knobs.append("staleness")
         chain: list[tuple[str, torch.Tensor]] = [("mu", mu)]
         if "decode" in measured:
-            chain.append(("decode", self._by_version(batch, versions, self.rescore)))
+            chain.append(("decode", by_version(batch, self.rescore, step)))
         terms = ["engine", *knobs]
         for term in terms[:-1]:
             if term != "engine":
                 state[term] = final[term]
-            chain.append((term, self._learner_scores(batch, versions, step, state)))
+            chain.append((term, self._learner_scores(batch, step, state)))
         chain.append((terms[-1], None))  # every knob as the trainer has it: the trainer's own π_old
         return chain
 
@@ -163,16 +163,7 @@ class Ledger:
             out["ledger/engine_stale_weights"] = self._held[0] / max(self._held[1], 1)
         return out
 
-    @staticmethod
-    def _by_version(batch, versions, score_fn):
-        """``score_fn(sub_batch, version)`` over the rows of each version, scattered back."""
-        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-        for u in sorted(set(versions.tolist())):
-            sel = (versions == u).nonzero().squeeze(-1)
-            out[sel] = score_fn(batch.select(sel), int(u))
-        return out
-
-    def _learner_scores(self, batch, versions, step, state):
+    def _learner_scores(self, batch, step, state):
         """The learner's log-probs in ``state`` (quantizer on/off, support replay, routing replay; at the
         sample's own version unless ``state["staleness"]``)."""
         quantizer = self.quantizer.set(state["quantization"]) if self.quantizer is not None else contextlib.nullcontext()
@@ -187,7 +178,7 @@ class Ledger:
                     raise UnisonError(f"the ledger needs the weights of version {u}, which are not kept")
                 return self.learner.score(sub, weights=w, **options)
 
-            return self._by_version(batch, versions, at)
+            return by_version(batch, at, step)
 
     def check_stale(self, metrics: dict, log) -> None:
         """Warn once when the engine sampled from something other than the weights it claims: its weights are

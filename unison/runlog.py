@@ -77,7 +77,8 @@ class RunLog:
         rows = [{"group": c.prompt_index, "sample": c.sample_index,
                  "prompt": tokenizer.decode(c.prompt_ids, skip_special_tokens=True),
                  "response": tokenizer.decode(c.token_ids, skip_special_tokens=True), "reward": r,
-                 "finish_reason": c.finish_reason, "token_ids": c.token_ids, "version": c.versions[0],
+                 "finish_reason": c.finish_reason, "token_ids": c.token_ids, "version": c.version,
+                 **({"token_versions": c.token_versions} if c.versions[0] != c.versions[1] else {}),
                  "logp_mu_sum": float(sum(c.logprobs)), **_episode(c, tokenizer)} for c, r in zip(comps, rewards)]
         atomic_write_text(self.run_dir / "rollouts" / f"step_{step:06d}.jsonl",
                           "".join(json.dumps(r) + "\n" for r in rows))

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from unison.batch import by_version
 from unison.errors import UnisonError
 from unison.mismatch import k1, k3, mismatch_metrics
 from unison.runlog import plural
@@ -48,13 +49,16 @@ def rollout_metrics(step: int, roll, reward_errors: int) -> dict:
 
 
 def batch_metrics(batch, step: int) -> dict:
-    """The trained batch: staleness (versions behind step ``step``), the responses a weight sync reached mid-way
-    (sampled under two versions: the vLLM server with in-flight syncs), rewards, response lengths, truncation."""
-    stale = (step - batch.version).float()
+    """The trained batch: staleness (versions behind step ``step``, per sampled token: a response a weight sync
+    reached mid-way counts each token from the version that sampled it), the fraction of responses sampled under
+    more than one version (the vLLM server with in-flight syncs), rewards, response lengths, truncation."""
+    mask = batch.response_mask.bool()
+    stale = (step - batch.token_versions(step))[mask].float()
+    if not stale.numel():  # no sampled token: each response's first version
+        stale = (step - batch.version).float() if batch.version is not None else torch.zeros(1)
     lengths = batch.response_lens.float()
-    spanning = (batch.version_last != batch.version).float().mean() if batch.version_last is not None else 0.0
     return {"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
-            "staleness/spanning_fraction": float(spanning),
+            "staleness/spanning_fraction": float(batch.spanning().float().mean()),
             "reward/trained_mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
@@ -91,7 +95,7 @@ class Mismatch:
             if self.anchor == "fused":
                 batch.logp_old = logp_pi
             if not cmetrics:  # the weights the first mini-batch applied (loglinear: π_prox at its α)
-                old = OldLogp(self.anchor, None, batch.version, step, self.cfg.train.mini_batches)
+                old = OldLogp(self.anchor, None, batch.token_versions(step), step, self.cfg.train.mini_batches)
                 prox = old(rows, logp_pi[rows], batch.logp_mu[rows], 0) if self.anchor == "loglinear" else logp_pi[rows]
                 _, cmetrics = self.correct(prox, batch.logp_mu[rows], mask[rows])
         mm = mismatch_metrics(logp_pi[rows], batch.logp_mu[rows], mask[rows])
@@ -131,16 +135,16 @@ class Mismatch:
         k1 adds up; k3 adds up to a cross term (docs/async.md)."""
         if not self.split_every or (step + 1) % self.split_every:
             return {}
-        mu, mask, v = batch.logp_mu[rows], batch.response_mask[rows], batch.version[rows]
+        mu, mask = batch.logp_mu[rows], batch.response_mask[rows]
         behave = self.ledger.behave(step) if self.ledger is not None else None  # the ledger scored them already
-        if behave is None:
-            behave = logp_pi[rows].clone()
-            for u in sorted(set(v.tolist()) - {step}):
-                weights = self.source.weights(u) if self.learner.can_score_other_weights else None
-                if weights is None:
-                    return {}
-                sel = (v == u).nonzero().squeeze(-1)
-                behave[sel] = self.learner.score(batch.select(rows[sel]), weights=weights)
+        if behave is None:  # each token under the weights that sampled it (π_old's own where that is this step's)
+            sub = batch.select(rows)
+            weights = {u: self.source.weights(u) if self.learner.can_score_other_weights else None
+                       for u in set(sub.token_versions(step).unique().tolist()) - {step}}
+            if any(w is None for w in weights.values()):
+                return {}
+            behave = by_version(sub, lambda part, u: self.learner.score(part, weights=weights[u]), step,
+                                out=logp_pi[rows].clone(), skip={step})
         return {"mismatch/numeric_k3": float(k3(behave, mu, mask)),
                 "mismatch/staleness_k3": float(k3(logp_pi[rows], behave, mask)),
                 "mismatch/numeric_k1": float(k1(behave, mu, mask)),

@@ -211,7 +211,7 @@ class Trainer:
             batch.logp_old, routing = self.learner.score(batch, with_routing=True)
         elif self.anchor == "bypass":
             batch.logp_old = batch.logp_mu.clone()
-        return OldLogp(self.anchor, batch.logp_old, batch.version, step, self.cfg.train.mini_batches), routing
+        return OldLogp(self.anchor, batch.logp_old, batch.token_versions(step), step, self.cfg.train.mini_batches), routing
 
     def _retokenize(self, completions, step: int) -> dict:
         """Multi-turn, every ``mismatch.decompose_every`` steps: the mismatch a framework that decodes and

@@ -16,7 +16,8 @@ matters, and every option is a published one:
   (``areal/trainer/ppo/actor.py``, ``compute_prox_logp_approximations``): no score pass;
   log π_prox ≈ log μ + α · (sg[log π_θ] − log μ),
   α = clamp((v_prox − v_behave) / (v_θ − v_behave), 0, 1), α = 0 when v_θ ≤ v_behave.
-  Versions count weight updates: v_behave is the sample's behaviour version, v_prox = t the
+  Versions count weight updates: v_behave is the token's behaviour version (a response a weight
+  sync reached mid-way has two: ``RolloutBatch.token_version``), v_prox = t the
   weights this step started from, and v_θ = t + i/m for mini-batch i of m (the current
   weights have taken i of this step's m optimizer steps). So the first mini-batch (i = 0,
   θ = θ_old) gets log π_prox = log π_θ exactly for stale samples, and later mini-batches
@@ -33,7 +34,8 @@ ANCHORS = ("recompute", "bypass", "loglinear")
 
 
 def loglinear_alpha(v_behave: torch.Tensor, v_prox: float, v_theta: float) -> torch.Tensor:
-    """α per response: (v_prox − v_behave)/(v_θ − v_behave) clamped to [0, 1]; 0 where v_θ ≤ v_behave."""
+    """α per token (``v_behave`` [B, L]: the version that sampled each token) or per response ([B]):
+    (v_prox − v_behave)/(v_θ − v_behave) clamped to [0, 1]; 0 where v_θ ≤ v_behave."""
     vb = v_behave.double()
     den = v_theta - vb
     alpha = torch.where(den > 0, (v_prox - vb) / den.clamp(min=1e-12), torch.zeros_like(vb))
@@ -41,8 +43,9 @@ def loglinear_alpha(v_behave: torch.Tensor, v_prox: float, v_theta: float) -> to
 
 
 def loglinear_logp(logp_theta: torch.Tensor, logp_mu: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """log π_prox = log μ + α · (sg[log π_θ] − log μ), α [B] per response, tensors [B, L]."""
-    a = alpha.to(logp_mu.dtype)[:, None]
+    """log π_prox = log μ + α · (sg[log π_θ] − log μ), α [B, L] per token or [B] per response, tensors [B, L]."""
+    a = alpha.to(logp_mu.dtype)
+    a = a[:, None] if a.dim() == 1 else a
     return logp_mu + a * (logp_theta.detach() - logp_mu)
 
 
@@ -60,7 +63,8 @@ def plan(anchor: str, mini_batches: int, fuse_score_pass: bool, batch_level: boo
 
 class OldLogp:
     """log π_old for a micro-batch, as the plan says: the stored tensor (``score``, ``bypass``) or
-    one computed from the training forward's detached log-probs (``fused``, ``loglinear``)."""
+    one computed from the training forward's detached log-probs (``fused``, ``loglinear``; ``v_behave``:
+    the batch's per-token versions, [B, L])."""
 
     def __init__(self, kind: str, stored: torch.Tensor | None = None, v_behave: torch.Tensor | None = None,
                  step: int = 0, mini_batches: int = 1):

@@ -72,8 +72,9 @@ class ServerBackend:
 
     One thread generates the jobs in order. ``wait``: the weight sync of version v runs on that
     thread too, after the jobs submitted before it, so batch j sees exactly version max(0, j − K).
-    ``drop``: syncs run on a thread of their own and reach the server in flight (pause with the
-    requests kept, reload, resume): a response can then span versions (``version_last``). A sync
+    ``drop``: syncs run on a thread of their own and reach the server in flight (pause aborting the
+    requests being generated, reload, resume; the engine continues each under the new weights): a
+    response can then span versions (``Completion.token_versions``). A sync
     not started yet is superseded by the next one (each holds a host copy of the model): the
     server takes the newest weights, never a backlog of old ones."""
 

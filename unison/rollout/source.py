@@ -233,7 +233,7 @@ class RolloutSource:
         t0 = time.perf_counter()
         comps = generate(self.engine, self._my_prompts(job), self._params(job))
         for c in comps:
-            c.versions = (job.step, job.step)
+            c.set_version(job.step)
         return comps, time.perf_counter() - t0, 0.0
 
     def _drop_stale(self, step, comps, rewards):

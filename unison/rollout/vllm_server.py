@@ -222,35 +222,64 @@ class VLLMServerEngine:
 
     # -------------------------------------------------------------- generate
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Each prompt's ``params.n`` samples. A weight sync that reaches the server in flight aborts the requests
+        being generated (``pause?mode=abort``): each comes back with the tokens the old weights sampled and is
+        continued from them, under the new weights, by a request of its own — so every token carries the version
+        that sampled it (``Completion.token_versions``), and the continued tokens' log μ is the new weights' on the
+        whole prefix (a request kept across the reload would continue on a KV cache the old weights computed)."""
         if not prompts:
             return []
         seeds = _prompt_seeds(params, len(prompts))
 
+        def sample(i, si, version, c):
+            """Sample ``si`` of prompt ``i`` from its first request's answer ``c`` (sent under ``version``), each
+            abort continued under the version then current."""
+            toks, lps = list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])
+            tv, finish, part = [version] * len(toks), c["finish_reason"], 0
+            while finish == "abort" and len(toks) < params.max_tokens:
+                part += 1  # a seed of its own for each continuation (vLLM seeds a request)
+                seed = (seeds[i] + 1_000_003 * (si + 1) + 7919 * part) % (2**31 - 1)
+                v, (c,) = self._complete(prompts[i] + toks, params, 1, params.max_tokens - len(toks), seed)
+                toks += c["token_ids"]
+                lps += c["logprobs"]["token_logprobs"]
+                tv += [v] * len(c["token_ids"])
+                finish = c["finish_reason"]
+            finish = "length" if finish == "abort" else finish  # aborted with max_tokens sampled: it is complete
+            comp = _completion(prompts[i], i, si, toks, lps, finish, params.temperature == 0)
+            comp.version = tv[0] if tv else version  # no token at all: the version it was sent under
+            comp.token_versions = tv if tv and tv[-1] != comp.version else None
+            return comp
+
         def one(i):
-            body = {"model": self.served, "prompt": list(prompts[i]), "n": params.n,
-                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "max_tokens": params.max_tokens, "seed": seeds[i], "logprobs": 0, "return_token_ids": True,
-                    "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
-            with self._gate:  # a request sent while a pause is in flight is held by the server: new version
-                while self._pausing:
-                    self._gate.wait()
-                first = self.version
-            self._trusted()
-            out = self._request("POST", "/v1/completions", "a completion request", json=body)
-            last = self.version  # a sync that reached the server in flight makes the response span versions
-            self._trusted()  # a reload that failed while this request was in flight: mixed weights
-            comps = []
-            for si, c in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
-                if c.get("finish_reason") not in ("stop", "length"):
-                    raise UnisonError(f"vLLM server at {self.url} ended a request with "
-                                      f"'{c.get('finish_reason')}': is another client pausing it?")
-                comps.append(_completion(prompts[i], i, si, c["token_ids"], c["logprobs"]["token_logprobs"],
-                                         c["finish_reason"], params.temperature == 0))
-                comps[-1].versions = (first, last)
-            return comps
+            version, choices = self._complete(prompts[i], params, params.n, params.max_tokens, seeds[i])
+            if sum(c["finish_reason"] == "abort" for c in choices) < 2:
+                return [sample(i, si, version, c) for si, c in enumerate(choices)]
+            with cf.ThreadPoolExecutor(max_workers=len(choices)) as pool:  # the continuations side by side
+                return list(pool.map(lambda sc: sample(i, sc[0], version, sc[1]), enumerate(choices)))
 
         with cf.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
             return [c for part in pool.map(one, range(len(prompts))) for c in part]
+
+    def _complete(self, prompt: list[int], params: SamplingParams, n: int, max_tokens: int, seed: int):
+        """One completion request: ``(the engine's version when it was sent, its choices by index)``. A request
+        sent while a pause is in flight waits for it and takes the new version (the server holds it until the
+        reload ends)."""
+        body = {"model": self.served, "prompt": list(prompt), "n": n, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "max_tokens": max_tokens, "seed": seed, "logprobs": 0,
+                "return_token_ids": True, "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
+        with self._gate:
+            while self._pausing:
+                self._gate.wait()
+            version = self.version
+        self._trusted()
+        out = self._request("POST", "/v1/completions", "a completion request", json=body)
+        self._trusted()  # a reload that failed while this request was in flight: mixed weights
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        for c in choices:
+            if c.get("finish_reason") not in ("stop", "length", "abort"):
+                raise UnisonError(f"vLLM server at {self.url} ended a request with "
+                                  f"'{c.get('finish_reason')}': check the server's log")
+        return version, choices
 
     def _trusted(self) -> None:
         if self._broken:
@@ -301,19 +330,19 @@ class VLLMServerEngine:
 
     def apply_sync(self, prepared: dict, in_flight: bool = False, version: int | None = None) -> dict[str, float]:
         """Put prepared weights (the learner's ``version``) on the server. ``in_flight``: requests being
-        generated are kept (paused, then continued with the new weights) instead of finished first. The
-        engine's version changes once the server is paused: requests sent before then are labelled with the
-        old one (their first tokens are), those sent while the pause is in flight or during the reload wait
-        for it and take the new one. A request sent just before the pause that the server had not started
-        yet runs wholly under the new weights with the old label: labels err towards older, never newer
-        (the staleness bound holds; ``drop`` and ``loglinear`` then see it one version older, docs/async.md)."""
+        generated are aborted, not finished first, and :meth:`generate` continues each from its tokens under
+        the new weights. The engine's version changes once the server is paused: requests sent before then are
+        labelled with the old one, those sent while the pause is in flight or during the reload wait for it and
+        take the new one. A request sent just before the pause that reached the server after it runs wholly
+        under the new weights with the old label: labels err towards older, never newer (the staleness bound
+        holds; ``drop`` and ``loglinear`` then see it one version older, docs/async.md)."""
         with self._sync_lock:
             self._trusted()
             self._pending_version = self.version + 1 if version is None else version
             if self.weight_sync == "nccl":
                 self._sync_nccl(prepared["tensors"], prepared["shapes"])
             else:
-                self._sync_disk(prepared["weights"], "keep" if in_flight else "wait")
+                self._sync_disk(prepared["weights"], "abort" if in_flight else "wait")
             self.version = self._pending_version  # every rank (rank 0 set it when the server paused)
             return self._check_probe(prepared["probe"])
 
@@ -343,10 +372,10 @@ class VLLMServerEngine:
                                         "kwargs": {"weights_path": str(final.resolve()), "is_checkpoint_format": True}})
                     self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
                 except UnisonError as e:
-                    # recorded before the server resumes: the requests in flight would go on under half-loaded
-                    # layers; they are aborted, and fail with this if they come back anyway
+                    # recorded before the server resumes: the requests in flight (continuations sent during the
+                    # reload) would go on under half-loaded layers; they are aborted, and fail with this anyway
                     self._broken = str(e)
-                    if pause_mode == "keep":
+                    if pause_mode == "abort":
                         try:
                             self._request("POST", "/pause", "abort", params={"mode": "abort"})
                         except UnisonError:

@@ -291,7 +291,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
             t1 = time.perf_counter()
             comps = generate(engine, prompts, params)  # multi-turn episodes run here, turn by turn
             for c in comps:
-                c.versions = (loaded, loaded)
+                c.set_version(loaded)
             out.put(("done", job, comps, loaded, time.perf_counter() - t1, idle))
             idle = 0.0
         except BaseException as e:  # noqa: BLE001

@@ -143,7 +143,8 @@ class _Episode:
         self.support: list[int] = []
         self.record = EpisodeRecord(messages=[])
         self.finish_reason, self.done = "stop", False
-        self.versions: tuple[int, int] | None = None
+        self.token_versions: list[int] = []  # the version of each token after the prompt (model and environment)
+        self.version: int | None = None  # the first model turn's
         self.routing: list = []
         self.routed = 0
         try:
@@ -163,9 +164,12 @@ class _Episode:
         """Tokens the episode may still add (model and environment) under task.max_episode_tokens."""
         return self.rt.spec.max_episode_tokens - (len(self.ids) - len(self.prompt))
 
-    def _append(self, toks, lps, model: bool, support=None) -> None:
+    def _append(self, toks, lps, model: bool, support=None, versions=None) -> None:
         start = len(self.ids) - len(self.prompt)
         self.ids += toks
+        # the environment's tokens: the version of the model token before them (nothing scores them)
+        self.token_versions += versions if model else [self.token_versions[-1] if self.token_versions
+                                                       else self.version or 0] * len(toks)
         self.logprobs += lps if model else [0.0] * len(toks)
         self.mask += [1 if model else 0] * len(toks)
         self.support += list(support) if support is not None else [0] * len(toks)
@@ -184,18 +188,17 @@ class _Episode:
         rt, tok = self.rt, self.rt.tokenizer
         toks, lps = list(c.token_ids), list(c.logprobs)
         sup = list(c.support) if c.support is not None else None  # sampling-mask replay needs it, turn by turn
+        versions = c.versions_of_tokens()
         cut = len(toks) > self.room
         if cut:
-            toks, lps = toks[:self.room], lps[:self.room]
+            toks, lps, versions = toks[:self.room], lps[:self.room], versions[:self.room]
             sup = sup[:self.room] if sup is not None else None
         if c.routing is not None:  # the experts of the inputs this call fed for the first time
             upto = len(self.ids) + len(toks) - 1
             self.routing.append(c.routing[self.routed:upto])
             self.routed = upto
-        first, last = c.versions
-        self.versions = (first, last) if self.versions is None else (min(self.versions[0], first),
-                                                                     max(self.versions[1], last))
-        self._append(toks, lps, model=True, support=sup)
+        self.version = c.version if self.version is None else self.version
+        self._append(toks, lps, model=True, support=sup, versions=versions)
         self.record.turns += 1
         self.record.model_messages.append(len(self.record.messages))  # the message this turn becomes
         if cut or not toks:  # task.max_episode_tokens: nothing more fits
@@ -284,7 +287,8 @@ class _Episode:
         return Completion(prompt_ids=list(self.prompt), token_ids=self.ids[n:], logprobs=self.logprobs,
                           finish_reason=self.finish_reason, prompt_index=self.index, sample_index=self.sample,
                           routing=torch.cat(self.routing) if self.routing else None,
-                          versions=self.versions or (0, 0), mask=self.mask, episode=self.record,
+                          version=self.version or 0, mask=self.mask, episode=self.record,
+                          token_versions=self.token_versions if len(set(self.token_versions)) > 1 else None,
                           support=self.support if any(self.support) else None)
 
 
