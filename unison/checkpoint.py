@@ -330,18 +330,22 @@ def read_kept_versions(folder: Path) -> dict[int, dict[str, torch.Tensor]]:
     return {int(p.stem.removeprefix("version_")): load_file(p) for p in sorted(folder.glob("version_*.safetensors"))}
 
 
-def resumed_gemm(cfg, run_dir: Path) -> str:
-    """``gemm: auto`` on --resume: the library the run chose at its start (its config.yaml), so that the
-    resumed steps round as the first ones did; an explicit choice is taken as given."""
+def resumed_choice(cfg, run_dir: Path, key: str) -> str:
+    """``gemm: auto`` / ``compile: auto`` on --resume: what the run chose at its start (its config.yaml), so that
+    the resumed steps round as the first ones did; an explicit choice is taken as given."""
     import yaml
 
-    if cfg.gemm != "auto":
-        return cfg.gemm
+    from unison.config.values import parse_compile, parse_gemm
+
+    parse = {"gemm": parse_gemm, "compile": parse_compile}[key]
+    if getattr(cfg, key) != "auto":
+        return getattr(cfg, key)
     try:
-        saved = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8")) or {}).get("gemm")
-    except (OSError, yaml.YAMLError, UnicodeDecodeError, AttributeError):
-        return cfg.gemm
-    return saved if saved in ("blas", "onednn") else cfg.gemm
+        saved = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8")) or {}).get(key)
+        decided = parse(saved)
+    except Exception:  # noqa: BLE001 - unreadable or hand-edited: decide anew
+        return "auto"
+    return decided if "auto" not in decided.split("/") else "auto"
 
 
 def _numpy_arrays() -> list:

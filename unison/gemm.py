@@ -1,24 +1,30 @@
-"""Which library multiplies fp32 matrices on the CPU: config ``gemm: auto | blas | onednn``.
+"""Which library multiplies fp32 matrices on the CPU: config ``gemm: auto | blas | onednn | LEARNER/ENGINE``.
 
 torch sends an fp32 ``F.linear`` on the CPU to the BLAS it was built with (MKL on x86) and bf16 /
 fp16 ones to oneDNN. Both are fast on the CPUs their makers tune for; elsewhere they are not. On
 the 2-core AMD EPYC (AVX-512) this project measures on, MKL ran a 2048³ fp32 product at 164–189
-GFLOP/s and oneDNN at 374–393, and the linears of SmolLM2-135M 1.3–2.7× faster under oneDNN
-(``benchmarks/rollout_throughput.py`` reports both peaks). So:
+GFLOP/s and oneDNN at 374–393 on one host (at ≈ 200 both on another), and the linears of SmolLM2-135M
+1.3–2.7× faster under oneDNN (``benchmarks/rollout_throughput.py`` reports both peaks). Two roles decide
+apart, because their products differ in shape: the **learner** multiplies micro-batches of hundreds of
+rows, the native **engine** decodes with one row per response (32 in a typical batch), where a library
+that re-packs the weight matrix on every call spends much of the product doing it. So:
 
 * ``blas``: torch's default, nothing changed;
 * ``onednn``: every fp32 ``nn.Linear`` of the models unison loads (:func:`unison.models.load_model`:
-  the learner's, the native engine's, SFT's) and the engine's fused projections run through oneDNN's
-  fp32 matmul (``torch.ops.mkldnn._linear_pointwise``, full fp32 — no bf16/tf32 shortcut), forward
-  and backward (:class:`_Linear`: the input and weight gradients are oneDNN products of transposed
-  views, no copies). Other dtypes, autocast regions, CUDA tensors and sharded (DTensor) weights keep
-  torch's path;
+  the learner's, SFT's) runs through oneDNN's fp32 matmul (``torch.ops.mkldnn._linear_pointwise``, full
+  fp32 — no bf16/tf32 shortcut), forward and backward (:class:`_Linear`: the input and weight gradients
+  are oneDNN products of transposed views, no copies); the native engine's fast path multiplies by
+  weights **pre-packed** into oneDNN's blocked layout once per weight sync (:func:`pack`; one more copy
+  of its matmul weights; bitwise the products of the unpacked weights, tested). Other dtypes, autocast
+  regions, CUDA tensors and sharded (DTensor) weights keep torch's path;
+* ``LEARNER/ENGINE`` (e.g. ``blas/onednn``): each role its own library (what ``auto`` writes when they differ);
 * ``auto`` (default): ``blas`` for models under :data:`unison.threads.SMALL_MODEL` parameters (their
   matmuls are too small for the library to matter, and the built-in tiny model's runs keep their
-  bits), off the CPU, in torchrun jobs, and when nothing computes in fp32; otherwise both are
+  bits), off the CPU, in torchrun jobs, and for a role that computes in bf16/fp16; otherwise both are
   **measured** at start on the model's own two MLP shapes, interleaved, best of :data:`ROUNDS`, at the
-  run's thread count, and oneDNN is taken when it is at least :data:`MARGIN` × faster (and agrees
-  with BLAS to fp32 rounding). The choice and the measured ratio are printed at start.
+  run's thread count — at :data:`ROWS` rows for the learner, at the rollout batch's rows with the weights
+  pre-packed for the engine — and oneDNN is taken for a role when it is at least :data:`MARGIN` × faster
+  there (and agrees with BLAS to fp32 rounding). The choices and the measured ratios are printed at start.
 
 The two libraries round differently (~1e-7 relative in fp32): a run's choice is written to its
 ``config.yaml`` so that ``--resume`` continues with the same one.
@@ -40,22 +46,50 @@ from unison.threads import SMALL_MODEL, size_text
 MARGIN = 1.3
 #: interleaved timing rounds per library (the best of each counts)
 ROUNDS = 3
-#: rows of the measured products (a micro-batch's worth of tokens; decode batches are smaller)
+#: rows of the learner's measured products (a micro-batch's worth of tokens)
 ROWS = 256
+#: rows of the engine's measured products when the run does not say (one decode step of 32 responses)
+DECODE_ROWS = 32
 
-#: this process's choice (what :func:`setup` decided); models loaded afterwards follow it
+#: this process's choices (what :func:`setup` decided): the learner's (models loaded afterwards follow it) and
+#: the native engine's (its fast path's products, read when an engine is built)
 _choice = "blas"
+_engine = "blas"
 
 
 @dataclass(frozen=True)
 class Gemm:
-    """The fp32 matmul library of this process and why."""
+    """The fp32 matmul library of each role of this process, and why."""
 
     name: str
     reason: str
+    #: the native engine's library ("" = the learner's) and why
+    engine: str = ""
+    engine_reason: str = ""
+
+    def __post_init__(self):
+        if not self.engine:
+            object.__setattr__(self, "engine", self.name)
+            object.__setattr__(self, "engine_reason", self.reason)
+
+    @property
+    def value(self) -> str:
+        """The setting that reproduces these choices (``config.yaml``): ``blas``, ``onednn`` or ``LEARNER/ENGINE``."""
+        return self.name if self.engine == self.name else f"{self.name}/{self.engine}"
 
     def __str__(self) -> str:
-        return f"fp32 matmuls {self.name} ({self.reason})"
+        if self.engine == self.name and self.engine_reason == self.reason:
+            return f"fp32 matmuls {self.name} ({self.reason})"
+        packed = ", pre-packed" if self.engine == "onednn" else ""
+        return (f"fp32 matmuls: learner {self.name} ({self.reason}), engine {self.engine}{packed} "
+                f"({self.engine_reason})")
+
+
+def split(value) -> tuple[str, str]:
+    """``(learner, engine)`` of a setting: ``auto``, ``blas``, ``onednn`` name both roles, ``X/Y`` each its own."""
+    text = parse_gemm(value)
+    learner, _, engine = text.partition("/")
+    return learner, engine or learner
 
 
 def onednn_available() -> bool:
@@ -63,34 +97,44 @@ def onednn_available() -> bool:
 
 
 def decide(setting, hidden: int, intermediate: int, params: int, device: str = "cpu", world_size: int = 1,
-           fp32: bool = True) -> Gemm:
-    """The library for ``setting`` and its reason (``auto`` measures); nothing is changed."""
-    setting = parse_gemm(setting)
+           fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS) -> Gemm:
+    """The library of each role for ``setting`` and its reason (``auto`` measures); nothing is changed. ``fp32``:
+    the learner computes in fp32; ``engine_fp32``: the engine does (default: as the learner)."""
+    learner, engine = split(setting)
+    engine_fp32 = fp32 if engine_fp32 is None else engine_fp32
+    a = _decide_role(learner, hidden, intermediate, params, device, world_size, fp32, measure, ROWS)
+    b = _decide_role(engine, hidden, intermediate, params, device, world_size, engine_fp32,
+                     lambda h, i: measure_packed(h, i, rows=decode_rows), decode_rows)
+    return Gemm(a[0], a[1], b[0], b[1])
+
+
+def _decide_role(setting: str, hidden, intermediate, params, device, world_size, fp32, measure_fn, rows) -> tuple[str, str]:
     if setting == "onednn":
         if device != "cpu" or world_size > 1:
             raise UnisonError(f"gemm onednn routes one process's CPU matmuls ({'device ' + device if device != 'cpu' else 'a torchrun job'} "
                               f"here): set gemm=auto or gemm=blas")
         if not onednn_available():
             raise UnisonError("gemm onednn: this torch build has no oneDNN (torch.backends.mkldnn): set gemm=blas")
-        return Gemm("onednn", "gemm: onednn")
+        return "onednn", "gemm: onednn"
     if setting == "blas":
-        return Gemm("blas", "gemm: blas")
+        return "blas", "gemm: blas"
     if device != "cpu":
-        return Gemm("blas", f"auto: device {device}")
+        return "blas", f"auto: device {device}"
     if world_size > 1:
-        return Gemm("blas", "auto: a torchrun job")
+        return "blas", "auto: a torchrun job"
     if not fp32:
-        return Gemm("blas", "auto: no fp32 matmuls in this run")
+        return "blas", "auto: no fp32 matmuls in this run" if measure_fn is measure else "auto: no fp32 decode here"
     if params < SMALL_MODEL:
-        return Gemm("blas", f"auto: a {size_text(params)}-parameter model's matmuls are too small to measure")
+        return "blas", f"auto: a {size_text(params)}-parameter model's matmuls are too small to measure"
     if not onednn_available():
-        return Gemm("blas", "auto: no oneDNN in this torch")
-    ratio, agree = measure(hidden, intermediate)
+        return "blas", "auto: no oneDNN in this torch"
+    ratio, agree = measure_fn(hidden, intermediate)
+    at = f" at {rows} rows" if measure_fn is not measure else ""
     if not agree:
-        return Gemm("blas", "auto: oneDNN's fp32 products disagreed with BLAS's here")
+        return "blas", "auto: oneDNN's fp32 products disagreed with BLAS's here"
     if ratio >= MARGIN:
-        return Gemm("onednn", f"auto: {ratio:.1f}x BLAS on this CPU, measured")
-    return Gemm("blas", f"auto: oneDNN {ratio:.2f}x BLAS on this CPU, measured (under {MARGIN}x)")
+        return "onednn", f"auto: {ratio:.1f}x BLAS{at} on this CPU, measured"
+    return "blas", f"auto: oneDNN {ratio:.2f}x BLAS{at} on this CPU, measured (under {MARGIN}x)"
 
 
 def measure(hidden: int, intermediate: int, rows: int = ROWS, rounds: int = ROUNDS) -> tuple[float, bool]:
@@ -117,34 +161,97 @@ def measure(hidden: int, intermediate: int, rows: int = ROWS, rounds: int = ROUN
     return best[blas] / max(best[onednn], 1e-9), agree
 
 
+def measure_packed(hidden: int, intermediate: int, rows: int = DECODE_ROWS, rounds: int = ROUNDS) -> tuple[float, bool]:
+    """:func:`measure` for the engine: BLAS against oneDNN with the weights pre-packed (:func:`pack`), at a decode
+    step's ``rows``."""
+    g = torch.Generator().manual_seed(0)
+    x1, w1 = torch.randn(rows, hidden, generator=g), torch.randn(intermediate, hidden, generator=g)
+    x2, w2 = torch.randn(rows, intermediate, generator=g), torch.randn(hidden, intermediate, generator=g)
+    p1, p2 = pack(w1, rows), pack(w2, rows)
+
+    def blas():
+        return F.linear(x1, w1), F.linear(x2, w2)
+
+    def onednn():
+        return _onednn(x1, p1, None), _onednn(x2, p2, None)
+
+    agree = all(float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) for a, b in zip(onednn(), blas()))
+    best = {blas: float("inf"), onednn: float("inf")}
+    for _ in range(rounds * 4):  # products of a few hundred microseconds: more rounds
+        for fn in best:
+            t0 = time.perf_counter()
+            fn()
+            best[fn] = min(best[fn], time.perf_counter() - t0)
+    return best[blas] / max(best[onednn], 1e-9), agree
+
+
 def setup(setting, hidden: int = 0, intermediate: int = 0, params: int = 0, device: str = "cpu", world_size: int = 1,
-          fp32: bool = True, log=None) -> Gemm:
+          fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS, log=None) -> Gemm:
     """Decide (:func:`decide`, for a model of these sizes) and make it this process's choice: models loaded from now
     on follow it. ``log`` gets one line."""
-    global _choice
-    g = decide(setting, hidden, intermediate, params, device, world_size, fp32)
-    _choice = g.name
+    global _choice, _engine
+    g = decide(setting, hidden, intermediate, params, device, world_size, fp32, engine_fp32, decode_rows)
+    _choice, _engine = g.name, g.engine
     if log is not None:
         log(str(g))
     return g
 
 
-def use(name: str) -> None:
-    """Make ``name`` (``blas`` or ``onednn``, decided elsewhere: the async worker takes its run's) this
-    process's choice."""
-    global _choice
-    if parse_gemm(name) == "auto":
+def use(value: str) -> None:
+    """Make ``value`` (``blas``, ``onednn`` or ``LEARNER/ENGINE``, decided elsewhere: the async worker takes its
+    run's) this process's choice."""
+    global _choice, _engine
+    learner, engine = split(value)
+    if "auto" in (learner, engine):
         raise ValueError("gemm.use takes a decided choice, not auto")
-    _choice = name
+    _choice, _engine = learner, engine
 
 
 def current() -> str:
-    return _choice
+    """This process's choices as a setting (:attr:`Gemm.value`)."""
+    return _choice if _engine == _choice else f"{_choice}/{_engine}"
+
+
+def engine_choice() -> str:
+    """The native engine's library in this process."""
+    return _engine
+
+
+def pack(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w`` [out, in] (fp32, CPU) in oneDNN's blocked layout for products of about ``rows`` rows: :func:`packed_linear`
+    multiplies by it without re-packing it each call. Its products are bitwise those of the unpacked weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), rows)
+
+
+# ``unison::onednn_linear``: :func:`_onednn` as an operator torch.compile sees as one opaque call (Inductor cannot
+# lower oneDNN's own), defined with the plain dispatcher rather than ``torch.library.custom_op`` (whose Python wrapper
+# cost ~30 µs a call: 120 calls per decode step)
+_LIB = torch.library.Library("unison", "DEF")
+_LIB.define("onednn_linear(Tensor x, Tensor w, Tensor? b) -> Tensor")
+_LIB.impl("onednn_linear", lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""),
+          "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("unison::onednn_linear")
+def _(x, w, b):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+_onednn_op = torch.ops.unison.onednn_linear
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ b)`` for a weight from :func:`pack` (or a plain fp32 one), any leading dims of ``x``."""
+    return _unrows(_onednn(_rows(x), w, b), x.shape)
 
 
 # ----------------------------------------------------------------------------- the oneDNN path
 def _onednn(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``x2 @ w.T (+ b)`` for 2-D ``x2`` by oneDNN, fp32 throughout; ``w`` may be a transposed view."""
+    """``x2 @ w.T (+ b)`` for 2-D ``x2`` by oneDNN, fp32 throughout; ``w`` may be a transposed view or packed
+    (:func:`pack`). Under torch.compile through :func:`_onednn_op` (Inductor cannot lower oneDNN's own operator);
+    in eager directly (no Python dispatch per call)."""
+    if torch.compiler.is_compiling():
+        return _onednn_op(x2, w, b)
     return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
 
 

@@ -61,9 +61,10 @@ class Learner(Scorer):
 
     @classmethod
     def from_config(cls, cfg, model_dir: str | Path, dist: Dist | None = None, prec: Precision | None = None,
-                    policy: dict | None = None) -> "Learner":
+                    policy: dict | None = None, compile: bool = False) -> "Learner":
         """A learner ready to train: the config's precision, optimizer, loss scaler and policy (``prec`` and
-        ``policy`` as the caller resolved them; resolved here when not given)."""
+        ``policy`` as the caller resolved them; resolved here when not given); ``compile``: its decoder layers
+        compiled (unison/compilation.py, as the run decided)."""
         from unison.algorithms.presets import resolve_policy
         from unison.precision import make_grad_scaler
 
@@ -77,7 +78,8 @@ class Learner(Scorer):
                    exact=cfg.exact, activation_checkpointing=t.activation_checkpointing,
                    micro_batch_tokens=t.micro_batch_tokens, packing=t.packing,
                    quantization_aware=(cfg.rollout.quantization, cfg.rollout.quant_group_size)
-                   if t.quantization_aware else None, replay_sampling_mask=cfg.rollout.replay_sampling_mask)
+                   if t.quantization_aware else None, replay_sampling_mask=cfg.rollout.replay_sampling_mask,
+                   compile=compile)
         self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
         self.policy = policy or resolve_policy(cfg.algo, cfg.policy)
         self.params = [p for p in self.forward_module.parameters() if p.requires_grad]

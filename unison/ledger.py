@@ -12,6 +12,8 @@ own log μ and ends at the learner's log π_old, changing one thing at a time:
       -> over the whole vocabulary                 truncation:   the log-mass outside the top-p/top-k support
                                                                  (absent with sampling-mask replay)
       -> with the learner's own routing            routing:      MoE expert choices (absent with routing replay)
+      -> compiled or eager as the learner runs     compile:      Inductor's kernels on one side only (absent when
+                                                                 the engine and the learner both compile, or neither)
       -> at the current version  = log π_old       staleness:    the updates since the sample was drawn
 
 Adjacent log-ratios telescope, so the k1 terms ``mean(log p_prev − log p_next)`` add up exactly (to fp32
@@ -38,7 +40,7 @@ from unison.batch import by_version
 from unison.errors import UnisonError
 from unison.mismatch import k1, k3
 
-TERMS = ("decode", "engine", "quantization", "truncation", "routing", "staleness")
+TERMS = ("decode", "engine", "quantization", "truncation", "routing", "compile", "staleness")
 
 #: the stale-engine rule (docs/ledger.md, measured): a decode term whose k3 exceeds this absolute level **and**
 #: this multiple of the engine term is not a kernel difference. On the tiny model the decode path differs from
@@ -60,8 +62,10 @@ class Plan:
 
 
 def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_support: bool, moe: bool,
-         routing_replay: bool, asynchronous: bool, can_rescore: str | None, can_score_old: bool) -> Plan:
-    """The terms of a run: ``can_rescore`` is None when the engine can re-score its samples, else why not."""
+         routing_replay: bool, asynchronous: bool, can_rescore: str | None, can_score_old: bool,
+         compile_differs: bool = False) -> Plan:
+    """The terms of a run: ``can_rescore`` is None when the engine can re-score its samples, else why not;
+    ``compile_differs``: one of the engine and the learner runs compiled layers (unison/compilation.py)."""
     present = ["decode", "engine"]
     if quantized and not quantization_aware:
         present.append("quantization")
@@ -69,6 +73,8 @@ def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_supp
         present.append("truncation")
     if moe and not routing_replay:
         present.append("routing")
+    if compile_differs:
+        present.append("compile")
     if asynchronous:
         present.append("staleness")
     unmeasured = {}
@@ -120,14 +126,16 @@ class Ledger:
         self._held = self.held_weights() if self.held_weights is not None else None  # before the update: version step
         stale = "staleness" in present and bool((batch.token_versions(step) != step).any())
         final = {"quantization": self.final_quantize, "truncation": self.final_replay,
-                 "routing": self.final_routing, "staleness": True}
-        # the learner "as the engine ran": its quantizer, the sampled support and routing, the sample's version
-        # (the current one when older weights are not kept: staleness is then part of the engine term)
+                 "routing": self.final_routing, "compile": getattr(self.learner, "compiled", False), "staleness": True}
+        # the learner "as the engine ran": its quantizer, the sampled support and routing, compiled or not, the
+        # sample's version (the current one when older weights are not kept: staleness is then part of the engine
+        # term)
         state = {"quantization": "quantization" in present or self.final_quantize,
                  "truncation": "truncation" in present or self.final_replay,
                  "routing": "routing" in present or self.final_routing,
+                 "compile": getattr(self.learner, "compiled", False) != ("compile" in present),
                  "staleness": not (stale and "staleness" in measured)}
-        knobs = [t for t in ("quantization", "truncation", "routing") if t in present]
+        knobs = [t for t in ("quantization", "truncation", "routing", "compile") if t in present]
         if stale and "staleness" in measured:
             knobs.append("staleness")
         chain: list[tuple[str, torch.Tensor]] = [("mu", mu)]
@@ -166,9 +174,12 @@ class Ledger:
     def _learner_scores(self, batch, step, state):
         """The learner's log-probs in ``state`` (quantizer on/off, support replay, routing replay; at the
         sample's own version unless ``state["staleness"]``)."""
+        from unison.policy import compiled_as
+
         quantizer = self.quantizer.set(state["quantization"]) if self.quantizer is not None else contextlib.nullcontext()
         options = dict(replay_sampling_mask=state["truncation"], routing_replay=state["routing"])
-        with quantizer:
+        compiled = compiled_as(self.learner, state["compile"]) if "compile" in self.plan.present else contextlib.nullcontext()
+        with quantizer, compiled:
             if state["staleness"]:
                 return self.learner.score(batch, **options)
 
@@ -225,10 +236,14 @@ def build_ledger(cfg, learner, source, model_dir, rollout_dtype, exact: bool = F
         return None
     rescore, why = _rescorer(cfg, source, model_dir, rollout_dtype, str(learner.device))
     keeps_old = source.max_staleness == 0 or source.weights(0) is not None
+    from unison.compilation import sides
+
+    engine_compiled = cfg.engine == "native" and bool(sides(cfg.compile)[0])
     p = plan(quantized=r.quantization != "none", quantization_aware=cfg.train.quantization_aware,
              truncated=r.top_p < 1.0 or bool(r.top_k), replay_support=r.replay_sampling_mask, moe=learner.moe,
              routing_replay=learner.routing_replay, asynchronous=r.max_staleness > 0, can_rescore=why,
-             can_score_old=learner.can_score_other_weights and keeps_old)
+             can_score_old=learner.can_score_other_weights and keeps_old,
+             compile_differs=engine_compiled != learner.compiled)
     if cfg.mismatch.ledger == "on" and p.unmeasured:
         term, reason = next(iter(p.unmeasured.items()))
         raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "
@@ -248,9 +263,12 @@ def _rescorer(cfg, source, model_dir, dtype, device):
     from unison.rollout import SamplingParams
     from unison.rollout.native import NativeEngine
 
+    from unison.compilation import sides
+
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     engine = source.engine
+    compiled = bool(sides(cfg.compile)[0])  # the worker's engine compiles: its stand-in here too
     if isinstance(engine, NativeEngine):
         return (lambda batch, version: engine.score(batch, params)), None
     if source.max_staleness and cfg.engine == "native":
@@ -259,7 +277,7 @@ def _rescorer(cfg, source, model_dir, dtype, device):
         def rescore(batch, version):
             if "engine" not in held:
                 held["engine"] = NativeEngine(model_dir, dtype, device, quantization=r.quantization,
-                                              quant_group_size=r.quant_group_size)
+                                              quant_group_size=r.quant_group_size, compile=compiled)
             if held.get("version") != version:
                 held["engine"].load_weights(source.weights(version).items())
                 held["version"] = version

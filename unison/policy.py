@@ -245,7 +245,7 @@ class Scorer:
                  routing_replay: bool = False, aux_loss_coef: float = 0.0, lora_cfg=None, exact: bool = False,
                  activation_checkpointing: bool = False, micro_batch_tokens: int | None = None,
                  packing: bool = False, quantization_aware: tuple[str, int] | None = None,
-                 replay_sampling_mask: bool = True):
+                 replay_sampling_mask: bool = True, compile: bool = False):
         self.model_dir = Path(model_dir)
         self.dist = dist or current()
         self.device = self.dist.device if self.dist.enabled else torch.device(device)
@@ -287,6 +287,11 @@ class Scorer:
         if activation_checkpointing:
             for layer in decoder_layers(self.model):
                 _checkpoint_layer(layer)
+        #: the decoder layers compiled by Inductor (``compile``, unison/compilation.py): one graph for all of them
+        self.compiled = compile
+        for layer in decoder_layers(self.model) if compile else []:
+            _compile_layer(layer)
+            layer._compiled_call_impl = layer._unison_compiled
         self.sharded = self.dist.enabled
         #: parameters cast to the compute dtype for the forward, no autocast (FSDP2's mixed precision
         #: under torchrun; one process does the same cast itself). Else fp32 parameters under autocast.
@@ -484,6 +489,33 @@ class Scorer:
         set_model_state_dict(self.forward_module, {f"lm.{k}": v for k, v in weights.items()},
                              options=StateDictOptions(full_state_dict=True, strict=False,
                                                       broadcast_from_rank0=self.dist.enabled))
+
+
+@contextlib.contextmanager
+def compiled_as(scorer: Scorer, on: bool):
+    """The scorer's decoder layers compiled by Inductor (``on``) or eager while the context is open, whatever the
+    scorer runs otherwise (``compile``): the learner scoring "as the engine ran" for the mismatch ledger's
+    ``compile`` term and ``unison probe --compile``. An eager scorer's layers are compiled at the first such use."""
+    layers = decoder_layers(scorer.model)
+    saved = [layer._compiled_call_impl for layer in layers]
+    try:
+        for layer in layers:
+            if on and getattr(layer, "_unison_compiled", None) is None:
+                _compile_layer(layer)
+            layer._compiled_call_impl = layer._unison_compiled if on else None
+        yield
+    finally:
+        for layer, impl in zip(layers, saved):
+            layer._compiled_call_impl = impl
+
+
+def _compile_layer(layer: torch.nn.Module) -> None:
+    """``layer.compile(dynamic=True)``, keeping the compiled call (``_unison_compiled``) so that
+    :func:`compiled_as` can switch it off and on."""
+    before = layer._compiled_call_impl
+    layer.compile(dynamic=True)
+    layer._unison_compiled = layer._compiled_call_impl
+    layer._compiled_call_impl = before
 
 
 @contextlib.contextmanager

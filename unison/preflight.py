@@ -38,6 +38,9 @@ def check_settings(cfg: Config) -> None:
                           f"launch with `torchrun --nproc-per-node N -m unison train ...`, or remove "
                           f"the distributed section")
     check_device(cfg.device)
+    from unison.compilation import check as check_compile
+
+    check_compile(cfg.compile, cfg.exact, 2 if under_torchrun() else 1)
     if cfg.train.quantization_aware:
         _check_quantization_aware(cfg)
     if cfg.exact:
@@ -232,10 +235,10 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
             raise UnisonError(f"--resume: '{cfg_path}' is damaged ({type(e).__name__}): restore it "
                               f"or start a new run") from e
         new = yaml.safe_load(new_cfg)
-        for tree in (old, new):  # what a resumed run may change: its length, its threads and its matmul library
+        for tree in (old, new):  # what a resumed run may change: its length, threads, matmul library, compilation
             tree.get("train", {}).pop("steps", None)
-            tree.pop("threads", None)
-            tree.pop("gemm", None)
+            for key in ("threads", "gemm", "compile"):
+                tree.pop(key, None)
         # a run written by an older unison lacks the newer keys: they take this config's values
         diffs = [d for d in differences(old, new) if (d[1] is not None or _has(old, d[0])) and not _same_path(*d)]
         if diffs:

@@ -33,13 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unison import preflight, runtime
+from unison import compilation, preflight, runtime
 from unison.algorithms.advantages import ADVANTAGES
 from unison.algorithms.anchors import OldLogp, plan
 from unison.algorithms.corrections import BATCH_LEVEL, CORRECTIONS
 from unison.algorithms.presets import correction_kwargs, resolve_policy
 from unison.batch import collate
-from unison.checkpoint import Checkpointer, SignalStop, resumed_gemm
+from unison.checkpoint import Checkpointer, SignalStop, resumed_choice
 from unison.config import Config, resolve_paths
 from unison.data_io import atomic_write_text, read_metrics
 from unison.distributed import init_distributed
@@ -101,13 +101,21 @@ class Trainer:
         preflight.check_run_dir(self.run_dir, cfg, resume)
         # ---- the machine, then the models: threads and the matmul library before any model is loaded (and the
         # async worker spawned); config.yaml holds the choice, so that --resume rounds as the run began
-        rt = runtime.setup(cfg.threads, resumed_gemm(cfg, self.run_dir) if resume else cfg.gemm, model_dir,
+        rt = runtime.setup(cfg.threads, resumed_choice(cfg, self.run_dir, "gemm") if resume else cfg.gemm, model_dir,
                            device=cfg.device, world_size=self.dist.world_size,
-                           fp32=torch.float32 in (self.prec.rollout_dtype, self.prec.learner_dtype))
+                           fp32=self.prec.learner_dtype == torch.float32,
+                           engine_fp32=cfg.engine == "native" and self.prec.rollout_dtype == torch.float32,
+                           decode_rows=cfg.train.prompts_per_step * cfg.rollout.n)
         self.threads, self.gemm = rt.threads, rt.gemm
-        cfg = self.cfg = cfg.model_copy(update={"gemm": self.gemm.name})
+        self.compiled = compilation.decide(
+            resumed_choice(cfg, self.run_dir, "compile") if resume else cfg.compile, model_dir, rt.sizes.params,
+            compilation.run_shape(cfg, self.prompt_ids, self.dist.world_size), exact=cfg.exact, world_size=self.dist.world_size,
+            device=cfg.device, engine_native=cfg.engine == "native",
+            engine_packed=self.gemm.engine == "onednn" and self.prec.rollout_dtype == torch.float32, log=self.log)
+        cfg = self.cfg = cfg.model_copy(update={"gemm": self.gemm.value, "compile": self.compiled.value})
         torch.manual_seed(cfg.seed)
-        self.learner = Learner.from_config(cfg, model_dir, self.dist, prec=self.prec, policy=self.policy)
+        self.learner = Learner.from_config(cfg, model_dir, self.dist, prec=self.prec, policy=self.policy,
+                                           compile=self.compiled.learner)
         self.learner.max_new_tokens = model_token_budget(cfg)  # Dr.GRPO's normaliser: an episode's model tokens
         self.teacher = None
         if cfg.distill.teacher:  # on-policy distillation: the teacher's engine, its tokenizer checked
@@ -144,6 +152,11 @@ class Trainer:
         self.runlog.open(resumed_from)
         for line in startup_lines(self):
             self.log(line)
+        # compiling so far (auto's measurement, the engine's warm-up here or in its worker): the first step's
+        # time/compile_s; then each step's own (the learner's first forward and backward, a new shape)
+        self._compile_mark = compilation.seconds_compiling()
+        self._compile_pending = self._compile_mark + getattr(getattr(self.engine, "worker", None), "compile_s", 0.0)
+        self.compile_total = 0.0
 
     def _make_engine(self, model_dir):
         cfg = self.cfg
@@ -153,7 +166,8 @@ class Trainer:
                            seed=cfg.seed, max_len=self._max_len, exact=cfg.exact,
                            prompt_width=self.layout[0] if self.layout else None,
                            quantization=cfg.rollout.quantization,
-                           quant_group_size=cfg.rollout.quant_group_size, **vopts)
+                           quant_group_size=cfg.rollout.quant_group_size, compile=self.compiled.engine,
+                           decode_rows=cfg.train.prompts_per_step * cfg.rollout.n, **vopts)
 
     # --------------------------------------------------------------- the step
     def train_step(self) -> dict:
@@ -237,6 +251,10 @@ class Trainer:
     def _finish_step(self, metrics: dict, t_step: float, tokens: int) -> dict:
         step_s = time.perf_counter() - t_step
         metrics["time/step_s"] = step_s
+        now = compilation.seconds_compiling()
+        compile_s, self._compile_pending, self._compile_mark = now - self._compile_mark + self._compile_pending, 0.0, now
+        self.compile_total += compile_s
+        metrics["time/compile_s"] = compile_s
         metrics["throughput/tokens_per_s"] = tokens / max(step_s, 1e-9)
         if not self.source.max_staleness:  # synchronous: the engine idles while the learner works
             metrics["time/engine_idle_s"] = max(step_s - metrics.get("time/generate_s", 0.0), 0.0)
@@ -327,6 +345,7 @@ class Trainer:
                 "reward_errors": self.watch.reward_errors,
                 "no_signal_steps": sum(int(r.get("train/no_signal") or 0) for r in rows),
                 "skipped_steps": self.learner.skipped_steps, "wall_s_this_session": wall,
+                "compile": self.cfg.compile, "compile_s_this_session": self.compile_total,
                 **({"mismatch_budget": {"metric": budget.metric, "target": budget.target,
                                         "steps_without_metric": budget.missing_steps,
                                         "final_lr_factor": budget.factor}} if budget else {}),

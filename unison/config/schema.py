@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from unison.config.values import parse_engine, parse_gemm, parse_precision, parse_threads
+from unison.config.values import parse_compile, parse_engine, parse_gemm, parse_precision, parse_threads
 
 
 class _Section(BaseModel):
@@ -505,10 +505,18 @@ class Config(_Section):
     #: The async worker takes rollout.worker_threads of it. --resume may change it
     threads: int | str = "auto"
     #: the library of the CPU's fp32 matmuls (unison/gemm.py): auto (default) measures BLAS against oneDNN
-    #: at start on the model's shapes and takes oneDNN when it is ≥ 1.3× faster (models under 10M
-    #: parameters, CUDA and torchrun jobs: blas) | blas (torch's default) | onednn. The choice is printed
-    #: at start and written to the run's config.yaml, so --resume keeps it
+    #: at start on the model's shapes, for the learner (micro-batch rows) and the native engine (a decode step's
+    #: rows, weights pre-packed) apart, and takes oneDNN for a role when it is ≥ 1.3× faster there (models under
+    #: 10M parameters, CUDA and torchrun jobs: blas) | blas (torch's default) | onednn | LEARNER/ENGINE (e.g.
+    #: blas/onednn). The choice is printed at start and written to the run's config.yaml, so --resume keeps it
     gemm: str = "auto"
+    #: Inductor compilation of the layers (unison/compilation.py): auto (default: a side compiles where one layer,
+    #: timed at start at the run's shapes, ran ≥ 1.2× faster compiled and the time saved over the run exceeds the
+    #: compile; kept per machine and model in ~/.cache/unison; under 10M parameters, exact mode, torchrun and CUDA:
+    #: off) | on (the native engine's layers and the learner's) | off | engine | learner. A compiled side rounds
+    #: differently from an eager one: probe --compile and the ledger's compile term measure it. exact mode refuses
+    #: on/engine/learner. The choice is printed at start and written to config.yaml (--resume keeps it)
+    compile: str = "auto"
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -530,12 +538,12 @@ class Config(_Section):
         """A named value through its rule (unison/config/values.py); a precision override may be unset."""
         return None if v is None else _RULES[info.field_name](v)
 
-    @field_validator("threads", "gemm", mode="before")
+    @field_validator("threads", "gemm", "compile", mode="before")
     @classmethod
     def _named_raw(cls, v, info):
-        """``threads`` and ``gemm`` read the raw value (an int or a string)."""
+        """``threads``, ``gemm`` and ``compile`` read the raw value (an int, a bool or a string)."""
         return _RULES[info.field_name](v)
 
 
 _RULES = {"precision": parse_precision, "rollout_precision": parse_precision, "learner_precision": parse_precision,
-          "engine": parse_engine, "threads": parse_threads, "gemm": parse_gemm}
+          "engine": parse_engine, "threads": parse_threads, "gemm": parse_gemm, "compile": parse_compile}

@@ -11,6 +11,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ENGINES = ("native", "vllm")
 #: libraries of the CPU's fp32 matmuls (unison.gemm)
 GEMM_CHOICES = ("auto", "blas", "onednn")
+#: Inductor compilation of the engine's and the learner's layers (unison.compilation)
+COMPILE_CHOICES = ("auto", "on", "off", "engine", "learner")
 
 
 def parse_precision(name: str) -> str:
@@ -43,9 +45,21 @@ def parse_threads(value) -> int | str:
 
 
 def parse_gemm(value) -> str:
-    text = str(value).strip().lower()
-    if text not in GEMM_CHOICES:
-        raise UnisonError(f"gemm '{value}' is not one of {', '.join(GEMM_CHOICES)}: write e.g. gemm=auto")
+    """One library for both roles, or ``LEARNER/ENGINE`` (each one of them; equal parts read as one)."""
+    text = str(value).strip().lower().replace(" ", "")
+    parts = text.split("/")
+    if len(parts) > 2 or any(p not in GEMM_CHOICES for p in parts):
+        raise UnisonError(f"gemm '{value}' is not one of {', '.join(GEMM_CHOICES)} (or LEARNER/ENGINE, e.g. "
+                          f"blas/onednn): write e.g. gemm=auto")
+    return parts[0] if len(parts) == 1 or parts[0] == parts[1] else text
+
+
+def parse_compile(value) -> str:
+    """``auto``, ``on``, ``off``, or one side: ``engine`` / ``learner`` (YAML's true/false read as on/off)."""
+    text = {True: "on", False: "off"}.get(value, str(value).strip().lower()) if isinstance(value, bool) \
+        else str(value).strip().lower()
+    if text not in COMPILE_CHOICES:
+        raise UnisonError(f"compile '{value}' is not one of {', '.join(COMPILE_CHOICES)}: write e.g. compile=auto")
     return text
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from unison.config.values import ENGINES, parse_engine
 from unison.errors import UnisonError
+from unison.gemm import DECODE_ROWS
 from unison.quant import DEFAULT_GROUP
 from unison.rollout.base import RolloutEngine, SamplingParams
 
@@ -16,14 +17,17 @@ from unison.rollout.base import RolloutEngine, SamplingParams
 
 def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options) -> RolloutEngine:
     """Build a rollout engine by name. ``options`` (the ``vllm`` config section) go to the vLLM
-    engines; the native engine ignores them."""
+    engines; the native engine takes ``exact``, ``prompt_width``, ``quantization``, ``quant_group_size``,
+    ``compile`` (its layers compiled by Inductor) and ``decode_rows`` (responses per decode step) from them."""
     if name == "native":
         from unison.rollout.native import NativeEngine
 
         return NativeEngine(model_dir, dtype=dtype, device=device, exact=options.get("exact", False),
                             prompt_width=options.get("prompt_width"),
                             quantization=options.get("quantization", "none"),
-                            quant_group_size=options.get("quant_group_size", DEFAULT_GROUP))
+                            quant_group_size=options.get("quant_group_size", DEFAULT_GROUP),
+                            compile=options.get("compile", False),
+                            decode_rows=options.get("decode_rows", DECODE_ROWS))
     if name == "vllm":
         from unison.rollout.vllm_engine import VLLMEngine
         from unison.rollout.vllm_server import VLLMServerEngine

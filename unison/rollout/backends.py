@@ -28,9 +28,10 @@ class NativeWorkerBackend:
         threads = r.worker_threads or max(1, cores // 2)
         self.learner_threads = max(1, cores - threads)
         from unison import gemm
+        from unison.compilation import sides
 
         spec = WorkerSpec(str(model_dir), dtype, device, r.quantization, r.quant_group_size, threads,
-                          dist.rank, dist.world_size, gemm.current())
+                          dist.rank, dist.world_size, gemm.current(), compile=bool(sides(cfg.compile)[0]))
         shapes = learner.export_shapes()  # the ring holds what export_weights(None) yields, in its order
         check_shared_memory(shapes, r.max_staleness + 1, dist)
         self.worker = EngineWorker(spec, shapes, slots=r.max_staleness + 1, timeout_s=r.worker_timeout_s)

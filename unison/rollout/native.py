@@ -33,6 +33,7 @@ from unison.exact import ExactForward, full_allowed
 from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
 from unison.quant import DEFAULT_GROUP, check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
+from unison.rollout.decode import FastWeights, Kernels
 
 
 class NativeEngine:
@@ -42,7 +43,7 @@ class NativeEngine:
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  exact: bool = False, prompt_width: int | None = None, quantization: str = "none",
-                 quant_group_size: int = DEFAULT_GROUP):
+                 quant_group_size: int = DEFAULT_GROUP, compile: bool = False, decode_rows: int = gemm.DECODE_ROWS):
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -57,9 +58,15 @@ class NativeEngine:
         self.config = self.model.config
         #: fast: the fused path of the Llama-family decoders; generic: any causal LM's own forward
         self.path = decode_path(self.config)
+        #: the fast path's matrices (fused; pre-packed where the engine's fp32 products are oneDNN's) and how its
+        #: layers run (eagerly, or compiled: ``compile``); unison/rollout/decode.py
+        self.fast: FastWeights | None = None
+        self.kernels = Kernels(compile and self.path == "fast" and not exact)
         if self.path == "fast":
             self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
-            self._fused = [self._fuse(layer) for layer in self.model.model.layers]
+            packed = (gemm.engine_choice() == "onednn" and dtype == torch.float32 and self.device.type == "cpu"
+                      and not exact)
+            self.fast = FastWeights(self.model, packed, decode_rows)
         from unison import moe
 
         self.moe = bool(moe.routers(self.model))
@@ -85,6 +92,8 @@ class NativeEngine:
         from unison.distributed import current
 
         self.dp_rank, self.dp_size = current().rank, current().world_size  # one engine per rank
+        if self.kernels.compiled:  # compile now (a prefill and a decode step of two rows), not in the first batch
+            self.kernels.warm_up(lambda: self.generate([[self.eos_ids[0]] * 2], SamplingParams(n=2, max_tokens=2)))
 
     # ------------------------------------------------------ the engine protocol
     def sync_weights(self, update) -> dict[str, float]:
@@ -108,26 +117,6 @@ class NativeEngine:
         pass
 
     # ------------------------------------------------------------------ weights
-    @staticmethod
-    def _fuse(layer):
-        """Put q/k/v (and gate/up) weights into one tensor per layer and make the modules'
-        parameters views of it: one matmul computes all of them, and ``load_weights``
-        still writes through the original names. No extra memory."""
-
-        def join(linears):
-            w = torch.cat([lin.weight.detach() for lin in linears])
-            for lin, view in zip(linears, w.split([lin.out_features for lin in linears])):
-                lin.weight = torch.nn.Parameter(view, requires_grad=False)
-            b = None
-            if linears[0].bias is not None:
-                b = torch.cat([lin.bias.detach() for lin in linears])
-                for lin, view in zip(linears, b.split([lin.out_features for lin in linears])):
-                    lin.bias = torch.nn.Parameter(view, requires_grad=False)
-            return w, b, [lin.out_features for lin in linears]
-
-        a, mlp = layer.self_attn, layer.mlp
-        return join([a.q_proj, a.k_proj, a.v_proj]), join([mlp.gate_proj, mlp.up_proj])
-
     def _held(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """What this engine holds for weight ``name`` loaded with ``tensor``: cast to its dtype (quantized rollout:
         the decoder's linear weights quantized, then dequantized to it)."""
@@ -148,6 +137,8 @@ class NativeEngine:
             held = self._held(name, tensor)  # refuses a name the rollout model does not have
             self._params[name].copy_(held)
             count += 1
+        if count and self.fast is not None and self.fast.packed:
+            self.fast.refresh()  # the packed copies, anew
         return count
 
     @torch.no_grad()
@@ -293,8 +284,9 @@ class NativeEngine:
         return out
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """The output layer (and the model's own logit transform, as the learner applies it) on final hidden states."""
-        logits = self.model.get_output_embeddings()(h)
+        """The output layer (and the model's own logit transform, as the learner applies it) on final hidden states:
+        the fast path's products (as its decode), else the model's own."""
+        logits = self.fast.logits(h) if self.fast is not None else self.model.get_output_embeddings()(h)
         transform = logit_transform(self.config)
         return logits if transform is None else transform(logits)
 
@@ -390,29 +382,12 @@ class _FastBackend(_CacheBackend):
         core = eng.model.model
         h = core.embed_tokens(ids)
         cos, sin = core.rotary_emb(h, pos)
-        b, s = ids.shape
-        end = start + s
-        for layer, (kc, vc), ((qkv_w, qkv_b, qkv_n), (gu_w, gu_b, gu_n)) in zip(core.layers, self.cache, eng._fused):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm(h)
-            q, k, v = gemm.linear(x, qkv_w, qkv_b).split(qkv_n, dim=-1)
-            q = q.view(b, s, -1, attn.head_dim)
-            k = k.view(b, s, -1, attn.head_dim)
-            v = v.view(b, s, -1, attn.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = eng._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            kc[:, :, start:end] = k
-            vc[:, :, start:end] = v
-            o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
-                                               scale=attn.scaling, enable_gqa=True)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
-            gate, up = gemm.linear(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
-            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        fast, rope, packed = eng.fast, eng._rope, eng.fast.packed
+        for layer, (kc, vc), w in zip(core.layers, self.cache, fast.layers):
+            h = eng.kernels.layer(layer, w, packed, rope, h, kc, vc, cos, sin, mask, start)
         if want is not None:
             return core.norm(h[want])
-        h = core.norm(h[:, -1])
-        return eng.model.lm_head(h)
+        return fast.logits(core.norm(h[:, -1]))
 
 
 class _ExactBackend(_CacheBackend):

@@ -113,6 +113,8 @@ class WorkerSpec:
     dp_size: int
     #: the run's fp32 matmul library (unison/gemm.py), decided by the trainer
     gemm: str = "blas"
+    #: the engine's layers compiled (unison/compilation.py), as the trainer decided
+    compile: bool = False
 
 
 # ------------------------------------------------------------------ frames on a pipe
@@ -252,8 +254,9 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C and SIGTERM to the process group are the
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # trainer's to handle: it saves, then stops us
     torch.set_num_threads(spec.threads)
-    from unison import gemm
+    from unison import gemm, runtime
 
+    runtime.keep_freed_memory()
     gemm.use(spec.gemm)
     out = _Outbox(results.fileno())
     inbox: queue.Queue = queue.Queue()
@@ -264,9 +267,10 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
         from unison.rollout.native import NativeEngine
 
         engine = NativeEngine(spec.model_dir, dtype=spec.dtype, device=spec.device,
-                              quantization=spec.quantization, quant_group_size=spec.quant_group_size)
+                              quantization=spec.quantization, quant_group_size=spec.quant_group_size,
+                              compile=spec.compile)
         engine.dp_rank, engine.dp_size = spec.dp_rank, spec.dp_size
-        out.put(("ready", os.getpid(), engine.pad_id, engine.eos_ids))
+        out.put(("ready", os.getpid(), engine.pad_id, engine.eos_ids, engine.kernels.compile_s))
     except BaseException as e:  # noqa: BLE001 - reported to the parent in one line
         out.put(("error", None, _one_line(e)))
         out.flush()
@@ -359,7 +363,7 @@ class EngineWorker:
         except BaseException:
             self.close()
             raise
-        _, self.pid, self.pad_id, self.eos_ids = msg
+        _, self.pid, self.pad_id, self.eos_ids, self.compile_s = msg
 
     # --------------------------------------------------------------- protocol
     def publish(self, version: int, named_tensors) -> None:
