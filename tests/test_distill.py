@@ -109,3 +109,70 @@ def test_the_teacher_term_sees_a_generation_path_that_is_not_the_scoring_path(ti
         w = teacher._engine.model.model.layers[1].mlp.down_proj.weight
         w.add_(0.05 * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
     assert teacher.path_term(batch, scored)["ledger/teacher_k3"] > 1e-7
+
+
+# ------------------------------------------------------------------ a teacher served by vLLM (the HTTP stub)
+def _served_teacher(tiny_dir, drop: float = 0.0):
+    """A stub vLLM server answering prompt log-probs with the tiny model's own (its HF forward, fp32), minus ``drop``
+    nats on every token (a served path that loses part of the model, e.g. an adapter's output layer)."""
+    from unison.models import load_model, load_tokenizer
+    from unison.rollout.vllm_server import PROBE_TEXT
+    from vllm_stub import StubServer
+
+    model = load_model(tiny_dir)
+
+    def prompt_logprobs(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        return (lp - drop).tolist()
+
+    tok = load_tokenizer(tiny_dir)
+    return StubServer(str(tiny_dir), list(tok(PROBE_TEXT)["input_ids"]), len(tok), prompt_logprobs_fn=prompt_logprobs)
+
+
+@pytest.mark.parametrize("drop", [0.0, 6.6])
+def test_a_served_teacher_scores_with_its_prompt_log_probs_and_the_ledger_compares_the_paths(tiny_dir, drop):
+    """distill.teacher_url: the advantages use the server's prompt log-probs. Served by the same weights they equal
+    the local scoring pass to fp32 rounding (teacher term ~0); a server that drops 6.6 nats a token (the LoRA
+    lm_head users saw vanish from prompt_logprobs) moves every advantage by coef × 6.6 and the ledger's teacher
+    term shows it: k1 = mean(log p_engine − log π_teacher) = 6.6."""
+    from unison.batch import collate
+    from unison.models import load_tokenizer
+    from unison.rollout import SamplingParams, generate, make_engine
+    from unison.teacher import Teacher
+
+    eng = make_engine("native", tiny_dir, torch.float32, max_len=64)
+    batch = collate(generate(eng, [eng.tokenizer.encode("3+4="), eng.tokenizer.encode("12+5=")],
+                             SamplingParams(n=3, max_tokens=8, seed=1)), eng.pad_id)
+    with _served_teacher(tiny_dir, drop) as stub:
+        cfg = load_config(None, ["distill.teacher=builtin:tiny", f"distill.teacher_url={stub.url}"])
+        teacher = Teacher(cfg, load_tokenizer(tiny_dir))
+        served = teacher.score(batch)
+        assert stub.prompt_logprob_requests == batch.size  # one request per row, sent side by side
+        local = teacher.scorer.score(batch)
+        mask = batch.response_mask.bool()
+        assert (served[~mask] == 0).all()
+        assert torch.allclose(served[mask], local[mask] - drop, atol=1e-4)
+        term = teacher.path_term(batch, served)
+        assert term["ledger/teacher_k1"] == pytest.approx(drop, abs=1e-4)
+        assert (term["ledger/teacher_k3"] > 1.0) == (drop > 0)
+        batch.advantages = torch.zeros(batch.size)
+        adv, m = teacher.advantages(batch, teacher.scorer, local)  # the student is the teacher's own copy here
+        assert torch.allclose(adv[mask], torch.full_like(adv[mask], -drop), atol=1e-4)  # −coef·(log π − log π_T)
+
+
+def test_a_served_teacher_needs_temperature_1_and_a_local_copy(tmp_path, capsys):
+    from unison.cli import main
+
+    for sets, msg in ((["distill.teacher_url=http://127.0.0.1:9"], "distill.teacher is not"),
+                      (["distill.teacher=builtin:tiny", "distill.teacher_url=http://127.0.0.1:9",
+                        "rollout.temperature=0.7"], "set rollout.temperature=1")):
+        out = tmp_path / "run"
+        args = ["train", "configs/tiny-fp32.yaml", "--out", str(out), "--set", "algo=opd"]
+        for kv in sets:
+            args += ["--set", kv]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
+        assert not out.exists()

@@ -36,7 +36,7 @@ class StubServer:
                  reload_delay: float = 0.0, server_info: dict | None = None, probe_frozen_after: int | None = None,
                  completion_delay: float = 0.0, fail_reloads=(), pause_delay: float = 0.0, script=None,
                  hold_completions: threading.Event | None = None, hold_reloads: threading.Event | None = None,
-                 abort_tokens: int = 2):
+                 abort_tokens: int = 2, prompt_logprobs_fn=None):
         self.model_root, self.probe_tokens, self.vocab = model_root, probe_tokens, vocab
         self.frozen_probe, self.hang_after, self.fail_after = frozen_probe, hang_after, fail_after
         self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: pause/resume and collective_rpc exist
@@ -45,6 +45,10 @@ class StubServer:
         self.fail_reloads, self.pause_delay = set(fail_reloads), pause_delay
         self.hold_completions, self.hold_reloads = hold_completions, hold_reloads
         self.abort_tokens = abort_tokens  # the tokens an aborted completion had sampled (at most max_tokens − 1)
+        #: ``fn(prompt ids) -> log-prob of every token after the first``: a served model's prompt log-probs (a
+        #: distillation teacher); None: the sync probe's constant answer
+        self.prompt_logprobs_fn = prompt_logprobs_fn
+        self.prompt_logprob_requests = 0
         self._events: dict[str, threading.Event] = {}
         self.paused = False
         self.resumed = threading.Condition()
@@ -142,6 +146,13 @@ class StubServer:
 
             def _completion(self, body):
                 prompt = body["prompt"]
+                if body.get("prompt_logprobs") is not None and stub.prompt_logprobs_fn is not None:
+                    with stub.lock:
+                        stub.prompt_logprob_requests += 1
+                    lps = stub.prompt_logprobs_fn(list(prompt))
+                    plp = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(prompt[1:], lps)]
+                    return self._send(200, {"choices": [{"index": 0, "token_ids": [0], "prompt_logprobs": plp,
+                                                         "finish_reason": "length"}]})
                 if body.get("prompt_logprobs") is not None:  # the probe after a sync
                     shift = 0 if stub.frozen_probe else stub.reloads
                     if stub.probe_frozen_after is not None:

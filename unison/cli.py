@@ -89,6 +89,14 @@ def _add_probe(sub) -> None:
                         "attention, MLP, each layer's output, head) on the same tokens, the first op above the "
                         "rounding of the engine's dtype, and the full-vocabulary KL per position; OUT/locate.md and "
                         "OUT/plots/locate.png (native engine)")
+    p.add_argument("--compile", default="off",
+                   help="comma-separated compilation settings, one arm each (unison/compilation.py): off, engine (the "
+                        "native engine's layers compiled by Inductor, the learner eager), learner, on (both); e.g. "
+                        "off,engine,on: the mismatch a compiled engine adds (default: off)")
+    p.add_argument("--lora-rank", default="0",
+                   help="comma-separated LoRA ranks, one arm each (0 = none): the learner scores through adapters "
+                        "of that rank (drawn at a trained scale), the engine samples from the merged weights, as a "
+                        "LoRA run syncs them; e.g. 0,32 (default: 0)")
     p.add_argument("--locate-rows", type=int, default=4,
                    help="--locate: responses traced per arm (default: 4)")
     p.add_argument("--task", default=None,
@@ -112,7 +120,8 @@ def cmd_probe(args) -> int:
                       quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
                       quantization_aware=args.quantization_aware, top_ps=_numbers(args.top_p, float, "--top-p"),
                       top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger, task=args.task,
-                      locate=args.locate, locate_rows=args.locate_rows)
+                      locate=args.locate, locate_rows=args.locate_rows, compiles=_csv(args.compile),
+                      lora_ranks=_numbers(args.lora_rank, int, "--lora-rank"))
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")

@@ -9,7 +9,8 @@ What compiles (``torch.compile``, dynamic shapes):
 * **the learner**: each decoder layer (``nn.Module.compile``), forward and backward; the output layer keeps its
   fused log-prob function (unison/policy.py).
 
-``on`` compiles both, ``engine`` / ``learner`` one side, ``off`` neither. A compiled side rounds differently from an
+``on`` compiles both, ``engine`` / ``learner`` one side, ``off`` neither (the quantization-aware learner, ``train.quantization_aware``, does not compile yet: refused in one
+line, ``auto`` keeps it eager). A compiled side rounds differently from an
 eager one (Inductor fuses and reorders elementwise work): a mismatch source of its own, measured by ``unison probe
 --compile off,engine,on`` and, when the two sides differ in it, the mismatch ledger's ``compile`` term.
 
@@ -82,11 +83,14 @@ def sides(setting) -> tuple[bool | None, bool | None]:
             "learner": (False, True)}[value]
 
 
-def check(setting, exact: bool, world_size: int) -> None:
+def check(setting, exact: bool, world_size: int, quantization_aware: bool = False) -> None:
     """Refuse, before anything is loaded or written, a compilation the run cannot have (one line each)."""
     engine, learner = sides(setting)
     if not (engine or learner):
         return
+    if learner and quantization_aware:
+        raise UnisonError(f"compile={parse_compile(setting)} compiles the learner, whose quantization-aware forward "
+                          f"(train.quantization_aware) does not compile yet: set compile=engine (or off, auto)")
     if exact:
         raise UnisonError(f"compile={parse_compile(setting)} with exact mode: exact mode shares one forward between "
                           f"the engine and the learner by construction, and a compiled side would round differently "
@@ -122,9 +126,9 @@ def run_shape(cfg, prompt_ids: list[list[int]], world_size: int = 1) -> RunShape
 
 def decide(setting, model_dir, params: int, shape: RunShape, *, exact: bool = False, world_size: int = 1,
            device: str = "cpu", engine_native: bool = True, engine_packed: bool = False,
-           cache: Path | None = None, log=None) -> Compilation:
+           quantization_aware: bool = False, cache: Path | None = None, log=None) -> Compilation:
     """Each side's choice for ``setting`` (``auto`` measures, :func:`measure_engine`, :func:`measure_learner`)."""
-    check(setting, exact, world_size)
+    check(setting, exact, world_size, quantization_aware)
     engine, learner = sides(setting)
     if engine is not None:
         why = f"compile: {parse_compile(setting)}"
@@ -144,6 +148,8 @@ def decide(setting, model_dir, params: int, shape: RunShape, *, exact: bool = Fa
         _write_cache(cache, key, stored)
     e_on, e_reason = _verdict(stored["engine"], shape.steps) if engine_native else (False, "vLLM compiles by its own settings")
     l_on, l_reason = _verdict(stored["learner"], shape.steps)
+    if quantization_aware:
+        l_on, l_reason = False, "auto: the quantization-aware forward does not compile yet"
     return Compilation(e_on, l_on, e_reason, l_reason)
 
 

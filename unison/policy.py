@@ -512,6 +512,9 @@ def compiled_as(scorer: Scorer, on: bool):
 def _compile_layer(layer: torch.nn.Module) -> None:
     """``layer.compile(dynamic=True)``, keeping the compiled call (``_unison_compiled``) so that
     :func:`compiled_as` can switch it off and on."""
+    from unison.rollout.decode import no_duck_sizing
+
+    no_duck_sizing()
     before = layer._compiled_call_impl
     layer.compile(dynamic=True)
     layer._unison_compiled = layer._compiled_call_impl

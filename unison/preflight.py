@@ -20,8 +20,15 @@ def _check_distill_settings(cfg: Config) -> None:
     if cfg.algo == "opd" and not cfg.distill.teacher:
         raise UnisonError("algo=opd distills from a teacher but distill.teacher is not set: name its model, "
                           "e.g. --set distill.teacher=runs/demo/sft/model")
+    if cfg.distill.teacher_url and not cfg.distill.teacher:
+        raise UnisonError("distill.teacher_url is set but distill.teacher is not: name the served teacher's local copy "
+                          "too (its tokenizer is checked against the student's, and the ledger compares the two paths)")
     if not cfg.distill.teacher:
         return
+    if cfg.distill.teacher_url and cfg.rollout.temperature != 1.0:
+        raise UnisonError(f"distill.teacher_url scores with the server's prompt log-probs, which are the teacher's raw "
+                          f"distribution (temperature 1), but rollout.temperature is {cfg.rollout.temperature:g}: set "
+                          f"rollout.temperature=1 or drop distill.teacher_url (the local scoring pass applies it)")
     loss = resolve_policy(cfg.algo, cfg.policy)["loss"]
     if loss not in PER_TOKEN_ADVANTAGES:
         raise UnisonError(f"distill.teacher gives every token its own advantage, which policy.loss={loss} cannot take "
@@ -40,7 +47,7 @@ def check_settings(cfg: Config) -> None:
     check_device(cfg.device)
     from unison.compilation import check as check_compile
 
-    check_compile(cfg.compile, cfg.exact, 2 if under_torchrun() else 1)
+    check_compile(cfg.compile, cfg.exact, 2 if under_torchrun() else 1, cfg.train.quantization_aware)
     if cfg.train.quantization_aware:
         _check_quantization_aware(cfg)
     if cfg.exact:

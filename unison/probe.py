@@ -8,6 +8,7 @@ sequence log-ratio and its fitted slope against response length.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -27,6 +28,7 @@ from unison.models import load_tokenizer, model_config, resolve_model_dir
 from unison.precision import Precision, parse_precision
 from unison.quant import check_format_available, parse_quantization
 from unison.rollout import SamplingParams, check_engine_available, generate, make_engine, parse_engine
+from unison.rollout.base import WeightUpdate
 
 
 @dataclass
@@ -66,6 +68,13 @@ class ProbeConfig:
     #: KL per position, on the first ``locate_rows`` responses of each native arm
     locate: bool = False
     locate_rows: int = 4
+    #: compilation settings (unison/compilation.py): one arm each — off, engine (the engine's layers compiled,
+    #: the learner eager), learner, on (both); native engine only
+    compiles: list[str] = field(default_factory=lambda: ["off"])
+    #: LoRA ranks (0 = none): one arm each. The learner carries adapters of that rank, drawn at a trained scale
+    #: (each adapted weight moved by :data:`LORA_SCALE` of its norm), and the engine samples from the merged
+    #: weights W + (α/r)·B·A — as a LoRA run syncs them — while the learner scores through the adapters
+    lora_ranks: list[int] = field(default_factory=lambda: [0])
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -93,6 +102,11 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
             ids = tokenizer(p)["input_ids"]
         out.append(list(ids))
     return out
+
+
+#: ``--lora-rank``: the relative change ‖(α/r)·B·A‖ / ‖W‖ the probe's random adapters make to each adapted weight
+#: (a trained adapter's order of magnitude; at PEFT's own initialisation B = 0 and the merged weights are W)
+LORA_SCALE = 0.01
 
 
 @dataclass
@@ -152,6 +166,21 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
         if q != "none" and engines != ["native"]:
             raise UnisonError(f"--quantization {q} runs on the native engine (vLLM quantizes only on GPUs, as "
                               f"`rollout.quantization: fp8` in training): use --engine native")
+    from unison.config.values import parse_compile
+
+    compiles = [parse_compile(c) for c in cfg.compiles]
+    if not compiles or "auto" in compiles:
+        raise UnisonError(f"--compile {','.join(cfg.compiles) or '(empty)'}: name settings to compare, each one of "
+                          f"off, engine, learner, on (auto decides for a run, not for a probe)")
+    if compiles != ["off"] and (engines != ["native"] or cfg.exact):
+        raise UnisonError("--compile compiles the native engine's layers and the learner's, and exact mode keeps "
+                          "compilation out by construction: use --engine native without --exact")
+    cfg.compiles = compiles
+    if not cfg.lora_ranks or any(r < 0 for r in cfg.lora_ranks):
+        raise UnisonError(f"--lora-rank {cfg.lora_ranks}: every value must be 0 (no adapters) or a positive rank")
+    if any(cfg.lora_ranks) and (cfg.exact or cfg.locate):
+        raise UnisonError("--lora-rank: exact mode and --locate score the plain model; drop --exact / --locate "
+                          "or --lora-rank")
     if cfg.locate and engines != ["native"]:
         raise UnisonError("--locate reads the engine's hidden states layer by layer, which only the native engine "
                           "exposes (vLLM keeps them inside its model runner): use --engine native")
@@ -244,8 +273,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
     learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature)
     width = max(len(p) for p in prompt_ids)
     sampling = [(tp, tk) for tp in cfg.top_ps for tk in cfg.top_ks]
-    arms = [(e, p, q, False, tp, tk) for e in engines for p in precisions for q in inputs.quantizations
-            for tp, tk in sampling]
+    arms = [(e, p, q, False, tp, tk, c, r) for e in engines for p in precisions for q in inputs.quantizations
+            for tp, tk in sampling for c in cfg.compiles for r in cfg.lora_ranks]
     exact_learner = None
     if cfg.exact:
         if "native" not in engines:
@@ -259,7 +288,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         exact_ops = self_check(exact_learner.exact, {Precision.resolve(p).rollout_dtype for p in precisions},
                                width + cfg.max_new_tokens)
         exact_quants = [q for q in inputs.quantizations if q == "none" or cfg.quantization_aware]
-        arms += [("native", p, q, True, 1.0, 0) for p in precisions for q in exact_quants]
+        arms += [("native", p, q, True, 1.0, 0, "off", 0) for p in precisions for q in exact_quants]
     qat: dict[tuple[int, str], object] = {}
 
     def quantizer(scorer, fmt):  # one quantization-aware wrapper per (learner, format), off until scoring
@@ -272,19 +301,34 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         return qat[key]
 
     results, samples, timings = [], [], []
-    for engine_name, prec_name, quant, exact, top_p, top_k in arms:
+    from unison.compilation import sides
+    from unison.policy import compiled_as
+
+    adapted: dict[int, Learner] = {}
+
+    def lora_learner(rank: int) -> Learner:  # one learner per rank, its adapters drawn once
+        if rank not in adapted:
+            adapted[rank] = _lora_learner(model_dir, cfg, rank)
+        return adapted[rank]
+
+    for engine_name, prec_name, quant, exact, top_p, top_k, comp, rank in arms:
         prec = Precision.resolve(prec_name)
         qtag = "" if quant == "none" else f"/{quant}"
         ttag = "".join([f"/top-p {top_p:g}" if top_p < 1.0 else "", f"/top-k {top_k}" if top_k else ""])
-        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}{qtag}{ttag}"
+        ctag = ("" if comp == "off" else f"/compile {comp}") + (f"/LoRA r{rank}" if rank else "")
+        engine_compiled, learner_compiled = sides(comp)
+        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}{qtag}{ttag}{ctag}"
         log(f"[probe] {label}: loading engine ({prec.rollout}{', weights ' + quant if qtag else ''})")
         engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
                              seed=cfg.seed, exact=exact, prompt_width=width if exact else None,
                              quantization=quant, quant_group_size=cfg.quant_group_size,
-                             max_len=width + cfg.max_new_tokens)  # vLLM reserves this context, not the model's
+                             max_len=width + cfg.max_new_tokens,  # vLLM reserves this context, not the model's
+                             compile=engine_compiled)
         try:  # closed before scoring and before the next arm's engine, whatever happens (a vLLM engine holds its
             # share of the GPU until then)
             pad_id = engine.pad_id
+            if rank:  # the merged weights W + (α/r)·B·A, as a LoRA run's sync gives the engine
+                engine.sync_weights(WeightUpdate(lora_learner(rank).export_weights(engine.weight_dtype)))
             if exact:
                 engine.exact.ops = exact_ops
             params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
@@ -305,7 +349,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         finally:
             engine.close()
             del engine
-        scorer = exact_learner if exact else learner
+        scorer = exact_learner if exact else lora_learner(rank) if rank else learner
         scorer.compute_dtype = prec.learner_dtype
         mask = batch.response_mask
         truncated = top_p < 1.0 or bool(top_k)
@@ -325,6 +369,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             try:
                 t0 = time.perf_counter()
                 moe_routing = scorer.moe and "routing" in batch.extras
+                scoring = compiled_as(scorer, learner_compiled) if comp != "off" else contextlib.nullcontext()
+                scoring.__enter__()
                 scored = scorer.score(batch, replay_sampling_mask=replay, routing_replay=False,
                                       with_routing=moe_routing)
                 logp_pi, routing = scored if moe_routing else (scored, None)
@@ -343,6 +389,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                     for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
                         metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
             finally:
+                if comp != "off":
+                    scoring.__exit__(None, None, None)
                 if wrapper is not None:
                     wrapper.enabled = False
                 scorer.qat = None
@@ -359,6 +407,8 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                 "top_p": top_p,
                 "top_k": top_k,
                 "replay_sampling_mask": replay,
+                "compile": comp,
+                "lora_rank": rank,
                 **metrics,
                 "num_responses": batch.size,
                 "mean_response_length": float(lengths.float().mean()),
@@ -366,7 +416,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                 "seq_log_ratio_slope_per_1k": length_slope(seq_lr, lengths),
             })
             sel = mask.bool()
-            tag = qtag + ("/QAT" if qa else "") + ttag + ("/replay" if replay else "")
+            tag = qtag + ("/QAT" if qa else "") + ttag + ("/replay" if replay else "") + ctag
             samples.append({"engine": engine_name + ("-exact" if exact else ""),
                             "precision": (prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}") + tag,
                             "p_pi": logp_pi[sel].exp().tolist(), "p_mu": batch.logp_mu[sel].exp().tolist(),
@@ -387,24 +437,52 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         if rescored is not None:  # the ledger, against the arm's first row: the plain learner (no QAT, no replay)
             results[len(results) - len(variants)].update(
                 _ledger(scorer, batch, rescored, quant, truncated, cfg, quantizer(scorer, quant) if quant != "none" else None,
-                        cast=cfg.param_dtypes[0] == "compute" and prec.learner_dtype != torch.float32))
+                        cast=cfg.param_dtypes[0] == "compute" and prec.learner_dtype != torch.float32,
+                        compiled=(bool(engine_compiled), bool(learner_compiled))))
     config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
               "precisions": precisions, "engines": engines, "quantizations": inputs.quantizations,
               "num_prompts": len(prompts)}
     return {"results": results, "config": config, "samples": samples, "timings": timings}
 
 
-def _ledger(scorer, batch, rescored, quant: str, truncated: bool, cfg: ProbeConfig, quantizer, cast: bool) -> dict:
-    """The mismatch ledger of one arm: its chain from the engine's log μ to the plain learner's log π."""
+def _lora_learner(model_dir, cfg: ProbeConfig, rank: int) -> Learner:
+    """A learner with LoRA adapters of ``rank`` on every linear layer, B drawn (seeded) so that each adapted weight
+    moves by :data:`LORA_SCALE` of its norm: what a LoRA run's learner holds after some training."""
+    from unison.config.schema import LoRAConfig
+    from unison.lora import _lora_layers
+
+    lrn = Learner(model_dir, device=cfg.device, temperature=cfg.temperature, lora_cfg=LoRAConfig(rank=rank))
+    g = torch.Generator().manual_seed(cfg.seed + 7919 * rank)
+    with torch.no_grad():
+        for _, layer in _lora_layers(lrn.model):
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            b.copy_(torch.randn(b.shape, generator=g))
+            delta = layer.scaling["default"] * (b @ a)
+            b.mul_(LORA_SCALE * layer.base_layer.weight.norm() / delta.norm().clamp(min=1e-30))
+    return lrn
+
+
+def _ledger(scorer, batch, rescored, quant: str, truncated: bool, cfg: ProbeConfig, quantizer, cast: bool,
+            compiled: tuple[bool, bool] = (False, False)) -> dict:
+    """The mismatch ledger of one arm: its chain from the engine's log μ to the plain learner's log π (``compiled``:
+    the arm's engine and learner compiled or not)."""
     from unison import ledger
+    from unison.policy import compiled_as
 
     scorer.cast_params, scorer.routing_replay, scorer.replay_sampling_mask, scorer.qat = cast, False, False, None
     moe_run = scorer.moe and "routing" in batch.extras
     p = ledger.plan(quantized=quant != "none", quantization_aware=False, truncated=truncated, replay_support=False,
-                    moe=moe_run, routing_replay=False, asynchronous=False, can_rescore=None, can_score_old=True)
+                    moe=moe_run, routing_replay=False, asynchronous=False, can_rescore=None, can_score_old=True,
+                    compile_differs=compiled[0] != compiled[1])
     led = ledger.Ledger(scorer, p, quant, cfg.quant_group_size, rescore=lambda sub, version: rescored,
                         quantizer=quantizer)
-    out = led.measure(batch, scorer.score(batch), step=0)
+    scorer.compiled = compiled[1]
+    try:
+        with compiled_as(scorer, compiled[1]) if any(compiled) else contextlib.nullcontext():
+            final = scorer.score(batch)
+        out = led.measure(batch, final, step=0)
+    finally:
+        scorer.compiled = False
     scorer.replay_sampling_mask = True
     return out
 
@@ -483,6 +561,10 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
         cols.append(("top-k", "top_k"))
     if any(r.get("replay_sampling_mask") for r in results):
         cols.append(("replay", "replay_sampling_mask"))
+    if any(r.get("compile", "off") != "off" for r in results):
+        cols.append(("compiled", "compile"))
+    if any(r.get("lora_rank") for r in results):
+        cols.append(("LoRA r", "lora_rank"))
     cols += [("tokens", "mismatch/num_tokens"),
              ("mean len", "mean_response_length"), ("token k3", "mismatch/k3"),
              ("seq KL", "mismatch/seq_kl"), ("seq KL (k3)", "mismatch/seq_kl_k3"), ("mean |π−μ|", "mismatch/prob_diff_mean"),

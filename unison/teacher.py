@@ -1,6 +1,7 @@
 """The teacher of on-policy distillation (``distill.teacher``): a second model that scores the student's
-samples token by token in its own engine (the learner's fp32 scoring path), and the per-token advantages
-and metrics those scores give (the math: unison/algorithms/distill.py)."""
+samples token by token — in unison's own fp32 scoring pass, or served by vLLM (``distill.teacher_url``: its
+``prompt_logprobs``) — and the per-token advantages and metrics those scores give (the math:
+unison/algorithms/distill.py)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,31 @@ class Teacher:
         self.scorer.model.requires_grad_(False)
         self.temperature = cfg.rollout.temperature
         self._engine = None  # the teacher's generation path, built the first time the ledger measures it
+        #: distill.teacher_url: the served teacher (a vLLM server; no weight sync: it is frozen)
+        self.served = None
+        if d.teacher_url:
+            from unison.rollout.vllm_server import VLLMServerEngine
+
+            self.served = VLLMServerEngine(self.model_dir, url=d.teacher_url, weight_sync="none",
+                                           request_timeout_s=cfg.vllm.request_timeout_s, retries=cfg.vllm.retries)
+
+    def score(self, batch) -> torch.Tensor:
+        """log π_teacher of every position of ``batch`` ([B, L], 0 off the response): the served teacher's prompt
+        log-probs, or the local scoring pass."""
+        if self.served is None:
+            return self.scorer.score(batch)
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        rows = [batch.tokens[i][batch.attention_mask[i].bool()].tolist() for i in range(batch.size)]
+        for i, lps in enumerate(self.served.score(rows, parallel=True)):
+            cols = batch.attention_mask[i].bool().nonzero().squeeze(-1)[1:]  # every token after the first
+            out[i, cols] = torch.tensor(lps, dtype=torch.float32)
+        return out * batch.response_mask
 
     def path_term(self, batch, teacher: torch.Tensor) -> dict[str, float]:
         """The mismatch ledger's ``teacher`` term: the teacher's generation path — the native engine over its
         weights, the prefill pass its decode is checked against (the ledger's decode term) — against the scoring
-        path the advantages used (``teacher``, log π_teacher). k1 and k3 of log π_teacher against the engine's
+        path the advantages used (``teacher``, log π_teacher: the local fp32 pass, or the server's prompt log-probs
+        with ``distill.teacher_url``). k1 and k3 of log π_teacher against the engine's
         log-probabilities, over the model's response tokens; outside the log μ → log π chain (its own terms add
         up to mismatch/k1 without it). A teacher served in another engine would put its own difference here
         (e.g. an adapter dropped from a scoring endpoint). One process only: a sharded teacher has no engine."""
@@ -68,7 +89,7 @@ class Teacher:
         what ``batch.logp_old`` holds under ``policy.anchor: bypass``. ``measure_path``: add the ledger's
         ``teacher`` term (:meth:`path_term`)."""
         with torch.no_grad():
-            teacher = self.scorer.score(batch)
+            teacher = self.score(batch)
             student = scored_old if scored_old is not None else learner.score(batch)
         mask = batch.response_mask
         adv = reverse_kl_advantages(student, teacher, mask, self.coef,

@@ -111,7 +111,8 @@ class Trainer:
             resumed_choice(cfg, self.run_dir, "compile") if resume else cfg.compile, model_dir, rt.sizes.params,
             compilation.run_shape(cfg, self.prompt_ids, self.dist.world_size), exact=cfg.exact, world_size=self.dist.world_size,
             device=cfg.device, engine_native=cfg.engine == "native",
-            engine_packed=self.gemm.engine == "onednn" and self.prec.rollout_dtype == torch.float32, log=self.log)
+            engine_packed=self.gemm.engine == "onednn" and self.prec.rollout_dtype == torch.float32,
+            quantization_aware=cfg.train.quantization_aware, log=self.log)
         cfg = self.cfg = cfg.model_copy(update={"gemm": self.gemm.value, "compile": self.compiled.value})
         torch.manual_seed(cfg.seed)
         self.learner = Learner.from_config(cfg, model_dir, self.dist, prec=self.prec, policy=self.policy,

@@ -419,6 +419,11 @@ class DistillConfig(_Section):
     coef: float = Field(1.0, ge=0)
     #: add the task's advantage (its reward, group-baselined) to every token's, or train on the teacher alone
     task_reward: bool = False
+    #: a vLLM server serving the teacher (`vllm serve TEACHER`, e.g. http://localhost:8001): the teacher's token
+    #: log-probs come from its prompt_logprobs instead of unison's own fp32 scoring pass; ``teacher`` still names
+    #: a local copy (the tokenizer is checked against it, and the ledger's teacher term compares the two paths).
+    #: Needs rollout.temperature 1 (prompt log-probs are the model's raw distribution)
+    teacher_url: str | None = None
 
 
 class ScalerConfig(_Section):

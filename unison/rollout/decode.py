@@ -121,8 +121,19 @@ def compiled_layer_forward():
     their parameters only; one for decode steps, s = 1, and one for prefills), made once per process."""
     global _compiled
     if _compiled is None:
+        no_duck_sizing()
         _compiled = torch.compile(layer_forward, dynamic=True)
     return _compiled
+
+
+def no_duck_sizing() -> None:
+    """Inductor's tracer gives equal sizes one symbol ("duck sizing"): a batch of as many rows as the model has
+    KV heads, or as many as the prompt has tokens, would specialise a graph that the next batch fails, and each
+    failure compiles again (up to torch's limit, then silently eager). unison's compiled layers take every size
+    as it comes; set once, in a process that compiles."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
 
 
 class Kernels:

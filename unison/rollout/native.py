@@ -93,7 +93,7 @@ class NativeEngine:
 
         self.dp_rank, self.dp_size = current().rank, current().world_size  # one engine per rank
         if self.kernels.compiled:  # compile now (a prefill and a decode step of two rows), not in the first batch
-            self.kernels.warm_up(lambda: self.generate([[self.eos_ids[0]] * 2], SamplingParams(n=2, max_tokens=2)))
+            self.kernels.warm_up(lambda: self.generate([[self.eos_ids[0]] * 3], SamplingParams(n=2, max_tokens=2)))
 
     # ------------------------------------------------------ the engine protocol
     def sync_weights(self, update) -> dict[str, float]:

@@ -285,16 +285,20 @@ class VLLMServerEngine:
         if self._broken:
             raise UnisonError(self._broken)
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """The server's log-prob of every token after the first of each sequence."""
-        out = []
-        for seq in sequences:
-            r = self._request("POST", "/v1/completions", "a probe request",
+    def score(self, sequences: list[list[int]], parallel: bool = False) -> list[list[float]]:
+        """The server's log-prob of every token after the first of each sequence (its ``prompt_logprobs``: the raw
+        distribution, temperature 1); ``parallel``: the requests side by side (a distillation teacher's batch)."""
+        def one(seq):
+            r = self._request("POST", "/v1/completions", "a prompt log-prob request",
                               json={"model": self.served, "prompt": list(seq), "max_tokens": 1, "temperature": 1.0,
                                     "prompt_logprobs": 0, "return_token_ids": True})
             plp = r["choices"][0]["prompt_logprobs"]
-            out.append([float(step[str(t)]["logprob"]) for t, step in zip(seq[1:], plp[1:])])
-        return out
+            return [float(step[str(t)]["logprob"]) for t, step in zip(seq[1:], plp[1:])]
+
+        if not parallel or len(sequences) < 2:
+            return [one(seq) for seq in sequences]
+        with cf.ThreadPoolExecutor(max_workers=min(32, len(sequences))) as pool:
+            return list(pool.map(one, sequences))
 
     # ----------------------------------------------------------------- sync
     @property
