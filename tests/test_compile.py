@@ -191,7 +191,7 @@ def test_gemm_names_each_role(monkeypatch):
     with pytest.raises(UnisonError, match="or LEARNER/ENGINE"):
         parse_gemm("blas/mkl")
     monkeypatch.setattr(gemm, "measure", lambda h, i: (1.1, True))
-    monkeypatch.setattr(gemm, "measure_packed", lambda h, i, rows: (1.8, True))
+    monkeypatch.setattr(gemm, "measure_packed", lambda h, i, rows, vocab: (1.8, True))
     monkeypatch.setattr(gemm, "onednn_available", lambda: True)
     g = gemm.decide("auto", 576, 1536, 135_000_000, decode_rows=32)
     assert (g.name, g.engine, g.value) == ("blas", "onednn", "blas/onednn")

@@ -418,3 +418,34 @@ def test_a_lora_learner_scores_under_merged_weights_as_under_its_adapters(tiny_d
     base = {**merged, **{name: p.detach().clone() for name, p in base_params(s.model).items()}}
     assert (s.score(batch, weights=base) - own).abs().max() > 1e-3
     assert torch.equal(s.score(batch), own)  # the adapters are on again, the base weights their own
+
+
+def test_probe_rows_with_lora_sample_the_merged_weights_and_score_through_the_adapters(tiny_dir):
+    """probe --lora-rank: the learner carries adapters drawn at a trained scale (each adapted weight moved by 1% of
+    its norm); the engine samples from the merged weights, as a LoRA run's sync gives them. In fp32 the two paths
+    agree to rounding — which they would not, by far, had the engine kept the base weights — and the ledger's
+    terms add up under LoRA as without it."""
+    from unison.lora import _lora_layers
+    from unison.probe import LORA_SCALE, ProbeConfig, _lora_learner, run_probe
+
+    cfg = ProbeConfig(precisions=["fp32", "bf16"], lora_ranks=[0, 8], n=2, max_new_tokens=12, ledger=True)
+    lrn = _lora_learner(tiny_dir, cfg, 8)
+    for _, layer in _lora_layers(lrn.model):
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        rel = float((layer.scaling["default"] * (b @ a)).norm() / layer.base_layer.weight.norm())
+        assert rel == pytest.approx(LORA_SCALE, rel=1e-4)
+    rows = {(r["precision"], r["lora_rank"]): r for r in run_probe(cfg, log=lambda m: None)["results"]}
+    assert set(rows) == {("fp32", 0), ("fp32", 8), ("bf16", 0), ("bf16", 8)}
+    assert rows[("fp32", 8)]["mismatch/k3"] < 1e-9  # the engine held W + (α/r)·B·A
+    for r in rows.values():
+        terms = [t for t in ledger.TERMS if f"ledger/{t}_k1" in r]
+        assert sum(r[f"ledger/{t}_k1"] for t in terms) == pytest.approx(r["ledger/total_k1"], rel=1e-4, abs=1e-9)
+    # without the sync the engine samples the base model: the adapters' learner sees a large mismatch
+    from unison.batch import collate
+    from unison.rollout import SamplingParams, generate, make_engine
+
+    eng = make_engine("native", tiny_dir, torch.float32)
+    batch = collate(generate(eng, [[1, 5, 6]], SamplingParams(n=4, max_tokens=12, seed=0)), eng.pad_id)
+    from unison.mismatch import k3
+
+    assert float(k3(lrn.score(batch), batch.logp_mu, batch.response_mask)) > 1e3 * max(rows[("fp32", 8)]["mismatch/k3"], 1e-13)

@@ -97,14 +97,14 @@ def onednn_available() -> bool:
 
 
 def decide(setting, hidden: int, intermediate: int, params: int, device: str = "cpu", world_size: int = 1,
-           fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS) -> Gemm:
+           fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS, vocab: int = 0) -> Gemm:
     """The library of each role for ``setting`` and its reason (``auto`` measures); nothing is changed. ``fp32``:
     the learner computes in fp32; ``engine_fp32``: the engine does (default: as the learner)."""
     learner, engine = split(setting)
     engine_fp32 = fp32 if engine_fp32 is None else engine_fp32
     a = _decide_role(learner, hidden, intermediate, params, device, world_size, fp32, measure, ROWS)
     b = _decide_role(engine, hidden, intermediate, params, device, world_size, engine_fp32,
-                     lambda h, i: measure_packed(h, i, rows=decode_rows), decode_rows)
+                     lambda h, i: measure_packed(h, i, rows=decode_rows, vocab=vocab), decode_rows)
     return Gemm(a[0], a[1], b[0], b[1])
 
 
@@ -161,19 +161,25 @@ def measure(hidden: int, intermediate: int, rows: int = ROWS, rounds: int = ROUN
     return best[blas] / max(best[onednn], 1e-9), agree
 
 
-def measure_packed(hidden: int, intermediate: int, rows: int = DECODE_ROWS, rounds: int = ROUNDS) -> tuple[float, bool]:
+def measure_packed(hidden: int, intermediate: int, rows: int = DECODE_ROWS, rounds: int = ROUNDS,
+                   vocab: int = 0) -> tuple[float, bool]:
     """:func:`measure` for the engine: BLAS against oneDNN with the weights pre-packed (:func:`pack`), at a decode
-    step's ``rows``."""
+    step's ``rows``, on the products of one decode step in their proportions: the fused gate/up and down of one
+    layer and, with ``vocab``, the output layer's share of a layer (its product over the layers it follows is
+    a quarter to a half of a small model's step)."""
     g = torch.Generator().manual_seed(0)
-    x1, w1 = torch.randn(rows, hidden, generator=g), torch.randn(intermediate, hidden, generator=g)
-    x2, w2 = torch.randn(rows, intermediate, generator=g), torch.randn(hidden, intermediate, generator=g)
-    p1, p2 = pack(w1, rows), pack(w2, rows)
+    shapes = [(2 * intermediate, hidden), (hidden, intermediate)]
+    if vocab:
+        shapes.append((vocab, hidden))
+    xs = [torch.randn(rows, k, generator=g) for _, k in shapes]
+    ws = [torch.randn(n, k, generator=g) for n, k in shapes]
+    ps = [pack(w, rows) for w in ws]
 
     def blas():
-        return F.linear(x1, w1), F.linear(x2, w2)
+        return [F.linear(x, w) for x, w in zip(xs, ws)]
 
     def onednn():
-        return _onednn(x1, p1, None), _onednn(x2, p2, None)
+        return [_onednn(x, p, None) for x, p in zip(xs, ps)]
 
     agree = all(float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) for a, b in zip(onednn(), blas()))
     best = {blas: float("inf"), onednn: float("inf")}
@@ -186,11 +192,12 @@ def measure_packed(hidden: int, intermediate: int, rows: int = DECODE_ROWS, roun
 
 
 def setup(setting, hidden: int = 0, intermediate: int = 0, params: int = 0, device: str = "cpu", world_size: int = 1,
-          fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS, log=None) -> Gemm:
+          fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS, vocab: int = 0,
+          log=None) -> Gemm:
     """Decide (:func:`decide`, for a model of these sizes) and make it this process's choice: models loaded from now
     on follow it. ``log`` gets one line."""
     global _choice, _engine
-    g = decide(setting, hidden, intermediate, params, device, world_size, fp32, engine_fp32, decode_rows)
+    g = decide(setting, hidden, intermediate, params, device, world_size, fp32, engine_fp32, decode_rows, vocab)
     _choice, _engine = g.name, g.engine
     if log is not None:
         log(str(g))

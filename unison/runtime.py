@@ -38,6 +38,7 @@ class ModelSizes:
     hidden: int
     intermediate: int
     params: int
+    vocab: int = 0
 
 
 def model_sizes(model_dir) -> ModelSizes:
@@ -48,7 +49,8 @@ def model_sizes(model_dir) -> ModelSizes:
     cfg = shell.config
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-    return ModelSizes(int(hidden), int(inter), sum(p.numel() for p in shell.parameters()))
+    return ModelSizes(int(hidden), int(inter), sum(p.numel() for p in shell.parameters()),
+                      int(getattr(cfg, "vocab_size", 0) or 0))
 
 
 def small_model(model) -> bool:
@@ -101,5 +103,6 @@ def setup(threads_setting, gemm_setting, model_dir, device: str = "cpu", world_s
     sizes = model_sizes(model_dir)
     t = threads.setup(threads_setting, params=sizes.params, log=log)
     g = gemm.setup(gemm_setting, sizes.hidden, sizes.intermediate, sizes.params, device=device,
-                   world_size=world_size, fp32=fp32, engine_fp32=engine_fp32, decode_rows=decode_rows, log=log)
+                   world_size=world_size, fp32=fp32, engine_fp32=engine_fp32, decode_rows=decode_rows,
+                   vocab=sizes.vocab, log=log)
     return Runtime(t, g, sizes)

@@ -173,7 +173,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Ten
         tokens = logits.argmax(dim=-1)
         zeros = torch.zeros_like(tokens, dtype=torch.float32)
         return (tokens, zeros, torch.zeros_like(tokens)) if return_support else (tokens, zeros)
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    # x / 1.0 is x, bit for bit: at temperature 1 the [rows × vocabulary] division (a pass and a buffer) is skipped
+    logp = torch.log_softmax(logits if params.temperature == 1.0 else logits / params.temperature, dim=-1)
     truncated = bool(params.top_k or params.top_p < 1.0)
     if truncated:
         logp = _truncate(logp, params.top_k, params.top_p)
