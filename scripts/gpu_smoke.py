@@ -161,6 +161,9 @@ APIS: dict[str, tuple[str, ...]] = {
     "torch.cuda:set_device": (),
     "torch.cuda:empty_cache": (),
     "torch.utils.tensorboard:SummaryWriter": (),
+    "torch:compile": ("dynamic",),
+    "torch.library:Library": (),
+    "torch._dynamo.utils:compilation_time_metrics": (),  # unison/compilation.py: seconds spent compiling
     "transformers.models.qwen2.configuration_qwen2:Qwen2Config": (),
     "transformers.models.qwen2.modeling_qwen2:Qwen2ForCausalLM": (),
     "transformers.models.qwen2.modeling_qwen2:apply_rotary_pos_emb": (),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import types
 from dataclasses import dataclass
 
 from unison.batch import Completion
@@ -58,7 +59,9 @@ def spec(**kw) -> FakeSpec:
 class FakeEngine:
     pad_id, eos_ids = 0, [1]
 
-    def __init__(self, model_dir, dtype=None, device="cpu", quantization="none", quant_group_size=64):
+    def __init__(self, model_dir, dtype=None, device="cpu", quantization="none", quant_group_size=64,
+                 compile=False):
+        self.kernels = types.SimpleNamespace(compile_s=0.0)  # the native engine's: nothing compiled here
         self.seen: list[float] = []  # the first value of each weight tensor the last load read
         self.calls = 0
 

@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from unison import gemm
 from unison.batch import Completion
