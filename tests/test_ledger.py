@@ -449,3 +449,21 @@ def test_probe_rows_with_lora_sample_the_merged_weights_and_score_through_the_ad
     from unison.mismatch import k3
 
     assert float(k3(lrn.score(batch), batch.logp_mu, batch.response_mask)) > 1e3 * max(rows[("fp32", 8)]["mismatch/k3"], 1e-13)
+
+
+def test_the_probes_ledger_table_names_the_arm_a_row_belongs_to():
+    # rows that differ only in LoRA rank or compile setting must say which is which in the ledger table too
+    from unison.probe import format_ledger
+
+    base = {"engine": "native", "precision": "fp32", "ledger/total_k1": 2e-6, "ledger/total_k3": 3e-11,
+            "ledger/decode_k3": 2e-11, "ledger/decode_k1": 1e-6, "ledger/engine_k3": 1e-11, "ledger/engine_k1": 1e-6}
+    table = format_ledger([{**base, "lora_rank": 0}, {**base, "lora_rank": 32}])
+    headers = [c.header for c in table.columns]
+    assert "LoRA r" in headers and "compiled" not in headers
+    assert list(table.columns[headers.index("LoRA r")].cells) == ["0", "32"]
+    assert list(table.columns[headers.index("engine", 4)].cells) == ["1e-11 (33%)", "1e-11 (33%)"]  # the term
+    table = format_ledger([{**base, "compile": "off"}, {**base, "compile": "engine"}])
+    headers = [c.header for c in table.columns]
+    assert list(table.columns[headers.index("compiled")].cells) == ["off", "engine"] and "LoRA r" not in headers
+    assert [c.header for c in format_ledger([base]).columns][:5] == ["engine", "precision", "weights", "top-p/k",
+                                                                     "decode"]

@@ -526,8 +526,11 @@ def format_ledger(results: list[dict]):
     rows = [r for r in results if "ledger/total_k1" in r]
     terms = [t for t in TERMS if any(f"ledger/{t}_k3" in r for r in rows)]
     table = Table(title="mismatch ledger: k3 of each step of the chain log μ → log π (share of Σk3)")
-    for name in ("engine", "precision", "weights", "top-p/k", *terms, "total k3", "Σ k1 = total k1"):
-        table.add_column(name, justify="left" if name in ("engine", "precision", "weights", "top-p/k") else "right")
+    compiled = any(r.get("compile", "off") != "off" for r in rows)  # the arm columns the main table shows too
+    lora = any(r.get("lora_rank") for r in rows)
+    arm = ["engine", "precision", "weights", "top-p/k", *(["compiled"] if compiled else []), *(["LoRA r"] if lora else [])]
+    for name in (*arm, *terms, "total k3", "Σ k1 = total k1"):
+        table.add_column(name, justify="left" if name in arm else "right")
     for r in rows:
         vals = [r.get(f"ledger/{t}_k3") for t in terms]
         total = sum(max(v or 0.0, 0.0) for v in vals) or 1.0
@@ -535,7 +538,9 @@ def format_ledger(results: list[dict]):
         s1 = sum(r.get(f"ledger/{t}_k1", 0.0) for t in terms)
         trunc = "/".join(x for x in (f"p {r['top_p']:g}" if r.get("top_p", 1.0) < 1 else "",
                                      f"k {r['top_k']}" if r.get("top_k") else "") if x) or "–"
-        table.add_row(r["engine"], r["precision"], r.get("quantization", "none"), trunc, *cells,
+        table.add_row(r["engine"], r["precision"], r.get("quantization", "none"), trunc,
+                      *([r.get("compile", "off")] if compiled else []), *([str(r.get("lora_rank", 0))] if lora else []),
+                      *cells,
                       f"{r['ledger/total_k3']:.3g}", f"{s1:.3g} = {r['ledger/total_k1']:.3g}")
     return table
 
