@@ -642,10 +642,15 @@ def test_15_per_token_versions_on_a_response_that_spans_two_syncs(tmp_path, lear
         gen = threading.Thread(target=lambda: box.setdefault("comps", eng.generate(
             [[1, 5, 6]], SamplingParams(n=2, max_tokens=8, seed=3))))
         gen.start()
-        for v, want in ((1, 1), (2, 2)):  # sync 1 reaches the request (n = 2), sync 2 its two continuations
-            _until(lambda: _generating(stub) >= want, f"{want} completion(s) being generated")
+        # each wait is on what the stub recorded, never on how soon a thread runs: the aborted requests' ends
+        # (segments) as well as the new ones' starts — on a busy machine an aborted request's thread may notice
+        # its abort after its sibling's continuation has already started
+        for v, want, ended in ((1, 1, 0), (2, 2, 1)):  # sync 1 reaches the request (n = 2), sync 2 its two continuations
+            _until(lambda: len(stub.segments) >= ended and _generating(stub) >= want,
+                   f"{ended} request(s) ended and {want} being generated")
             eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), in_flight=True, version=v)
-        _until(lambda: _generating(stub) >= 2, "both continuations of version 2 being generated")
+        _until(lambda: len(stub.segments) >= 3 and _generating(stub) >= 2,
+               "both continuations of version 1 aborted and both of version 2 being generated")
         hold.set()
         gen.join(60)
         eng.close()
@@ -704,7 +709,10 @@ def test_15_server_labels_are_never_newer_than_the_weights_that_sampled(tmp_path
         t = threading.Thread(target=requests)
         t.start()
         for v in range(1, 6):
-            _until(lambda: _generating(stub) >= 1, "a completion being generated")
+            # a request that started after the hold was cleared is held until this sync aborts it (one that started
+            # before may be finishing on a slow machine's schedule: waiting on it would let the sync miss)
+            s0 = stub.started
+            _until(lambda: stub.started > s0, "a completion being generated")
             eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), in_flight=True, version=v)
             n = len(comps)
             hold.set()  # the continuation ends under version v
