@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def cpu_model() -> str:
-    """The CPU's name (/proc/cpuinfo), for every benchmark's JSON line."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    """The CPU's name, for every benchmark's JSON line (unison.runtime.cpu_name: the one the package keeps its
+    per-machine measurements under)."""
+    from unison.runtime import cpu_name
 
-    return platform.processor() or "unknown"
+    return cpu_name()

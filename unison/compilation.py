@@ -21,7 +21,7 @@ shape (random weights) is timed at the run's shapes — a decode step of the rol
 a token-budget micro-batch — eager against compiled, and a side compiles when it is at least :data:`SPEEDUP` ×
 faster **and** the time it saves over the run's steps exceeds what its compilation cost. A side whose eager
 time over the whole run is too short for any compile to pay back is not compiled for the measurement. The outcome
-is kept per machine, torch version, model shape and run shape (``~/.cache/unison/compile.json``), so the
+is kept per machine, torch version, model shape and run shape (``$UNISON_HOME/compile.json``), so the
 measurement is paid once; the choice and the figures are printed at start and written to the run's
 ``config.yaml`` (``--resume`` keeps it).
 
@@ -34,8 +34,6 @@ products pre-packed (~20 s to compile), the learner's update 1.0–1.1× (~16 s)
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +42,7 @@ import torch
 
 from unison.config.values import parse_compile
 from unison.errors import UnisonError
+from unison.runtime import cpu_name
 from unison.threads import SMALL_MODEL, size_text
 
 #: a side compiles under ``auto`` only this much faster than eager
@@ -265,7 +264,10 @@ def measure_learner(model_dir, shape: RunShape, log=None, rounds: int = 3) -> di
 
 # ----------------------------------------------------------------------------- the kept measurements
 def default_cache() -> Path:
-    return Path(os.environ.get("UNISON_CACHE", Path.home() / ".cache" / "unison")) / "compile.json"
+    """Where the measurements are kept: beside the models unison caches (``$UNISON_HOME``, default ~/.cache/unison)."""
+    from unison.models import unison_home
+
+    return unison_home() / "compile.json"
 
 
 def _cache_key(model_dir, shape: RunShape, packed: bool) -> str:
@@ -275,20 +277,10 @@ def _cache_key(model_dir, shape: RunShape, packed: bool) -> str:
     arch = (getattr(cfg, "model_type", "?"), cfg.hidden_size, getattr(cfg, "intermediate_size", 0),
             cfg.num_hidden_layers, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", 0),
             getattr(cfg, "vocab_size", 0))
-    return json.dumps({"cpu": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return json.dumps({"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "arch": arch, "rows": shape.rows, "new": shape.new_tokens, "prompt": shape.prompt_tokens,
                        "micro": [shape.micro_batches, shape.micro_tokens], "steps": shape.steps, "packed": packed},
                       sort_keys=True)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _read_cache(path: Path | None) -> dict:

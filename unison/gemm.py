@@ -102,13 +102,15 @@ def decide(setting, hidden: int, intermediate: int, params: int, device: str = "
     the learner computes in fp32; ``engine_fp32``: the engine does (default: as the learner)."""
     learner, engine = split(setting)
     engine_fp32 = fp32 if engine_fp32 is None else engine_fp32
-    a = _decide_role(learner, hidden, intermediate, params, device, world_size, fp32, measure, ROWS)
+    a = _decide_role(learner, hidden, intermediate, params, device, world_size, fp32, measure, None)
     b = _decide_role(engine, hidden, intermediate, params, device, world_size, engine_fp32,
                      lambda h, i: measure_packed(h, i, rows=decode_rows, vocab=vocab), decode_rows)
     return Gemm(a[0], a[1], b[0], b[1])
 
 
-def _decide_role(setting: str, hidden, intermediate, params, device, world_size, fp32, measure_fn, rows) -> tuple[str, str]:
+def _decide_role(setting: str, hidden, intermediate, params, device, world_size, fp32, measure_fn,
+                 decode_rows: int | None) -> tuple[str, str]:
+    """One role's library: the learner's (``decode_rows`` None) or the native engine's (a decode step's rows)."""
     if setting == "onednn":
         if device != "cpu" or world_size > 1:
             raise UnisonError(f"gemm onednn routes one process's CPU matmuls ({'device ' + device if device != 'cpu' else 'a torchrun job'} "
@@ -123,13 +125,13 @@ def _decide_role(setting: str, hidden, intermediate, params, device, world_size,
     if world_size > 1:
         return "blas", "auto: a torchrun job"
     if not fp32:
-        return "blas", "auto: no fp32 matmuls in this run" if measure_fn is measure else "auto: no fp32 decode here"
+        return "blas", "auto: no fp32 matmuls in this run" if decode_rows is None else "auto: no fp32 decode here"
     if params < SMALL_MODEL:
         return "blas", f"auto: a {size_text(params)}-parameter model's matmuls are too small to measure"
     if not onednn_available():
         return "blas", "auto: no oneDNN in this torch"
     ratio, agree = measure_fn(hidden, intermediate)
-    at = f" at {rows} rows" if measure_fn is not measure else ""
+    at = f" at {decode_rows} rows" if decode_rows is not None else ""
     if not agree:
         return "blas", "auto: oneDNN's fp32 products disagreed with BLAS's here"
     if ratio >= MARGIN:
@@ -150,15 +152,7 @@ def measure(hidden: int, intermediate: int, rows: int = ROWS, rounds: int = ROUN
     def onednn():
         return _onednn(x1, w1, None), _onednn(x2, w2, None)
 
-    agree = all(float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
-                for a, b in zip(onednn(), blas()))  # also the warm-up of both
-    best = {blas: float("inf"), onednn: float("inf")}
-    for _ in range(rounds):
-        for fn in best:
-            t0 = time.perf_counter()
-            fn()
-            best[fn] = min(best[fn], time.perf_counter() - t0)
-    return best[blas] / max(best[onednn], 1e-9), agree
+    return _race(blas, onednn, rounds)
 
 
 def measure_packed(hidden: int, intermediate: int, rows: int = DECODE_ROWS, rounds: int = ROUNDS,
@@ -181,9 +175,15 @@ def measure_packed(hidden: int, intermediate: int, rows: int = DECODE_ROWS, roun
     def onednn():
         return [_onednn(x, p, None) for x, p in zip(xs, ps)]
 
+    return _race(blas, onednn, rounds * 4)  # products of a few hundred microseconds: more rounds
+
+
+def _race(blas, onednn, rounds: int) -> tuple[float, bool]:
+    """BLAS's best time over oneDNN's, interleaved for ``rounds``, and whether their products agree to fp32
+    rounding (the comparison is also both sides' warm-up)."""
     agree = all(float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) for a, b in zip(onednn(), blas()))
     best = {blas: float("inf"), onednn: float("inf")}
-    for _ in range(rounds * 4):  # products of a few hundred microseconds: more rounds
+    for _ in range(rounds):
         for fn in best:
             t0 = time.perf_counter()
             fn()

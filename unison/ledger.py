@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unison.batch import by_version
+from unison.compilation import sides
 from unison.errors import UnisonError
 from unison.mismatch import k1, k3
 
@@ -236,8 +237,6 @@ def build_ledger(cfg, learner, source, model_dir, rollout_dtype, exact: bool = F
         return None
     rescore, why = _rescorer(cfg, source, model_dir, rollout_dtype, str(learner.device))
     keeps_old = source.max_staleness == 0 or source.weights(0) is not None
-    from unison.compilation import sides
-
     engine_compiled = cfg.engine == "native" and bool(sides(cfg.compile)[0])
     p = plan(quantized=r.quantization != "none", quantization_aware=cfg.train.quantization_aware,
              truncated=r.top_p < 1.0 or bool(r.top_k), replay_support=r.replay_sampling_mask, moe=learner.moe,
@@ -262,8 +261,6 @@ def _rescorer(cfg, source, model_dir, dtype, device):
     process, and loaded with the ring's weights of the version asked for."""
     from unison.rollout import SamplingParams
     from unison.rollout.native import NativeEngine
-
-    from unison.compilation import sides
 
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)

@@ -366,11 +366,12 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
             scorer.qat = wrapper
             if wrapper is not None:
                 wrapper.enabled = True
+            scoring = contextlib.ExitStack()  # the learner compiled or eager as the arm says, closed in `finally`
             try:
                 t0 = time.perf_counter()
                 moe_routing = scorer.moe and "routing" in batch.extras
-                scoring = compiled_as(scorer, learner_compiled) if comp != "off" else contextlib.nullcontext()
-                scoring.__enter__()
+                if comp != "off":
+                    scoring.enter_context(compiled_as(scorer, learner_compiled))
                 scored = scorer.score(batch, replay_sampling_mask=replay, routing_replay=False,
                                       with_routing=moe_routing)
                 logp_pi, routing = scored if moe_routing else (scored, None)
@@ -389,8 +390,7 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
                     for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
                         metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
             finally:
-                if comp != "off":
-                    scoring.__exit__(None, None, None)
+                scoring.close()
                 if wrapper is not None:
                     wrapper.enabled = False
                 scorer.qat = None

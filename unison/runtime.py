@@ -53,6 +53,20 @@ def model_sizes(model_dir) -> ModelSizes:
                       int(getattr(cfg, "vocab_size", 0) or 0))
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor elsewhere): what a per-machine measurement is
+    kept under and what a benchmark reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def small_model(model) -> bool:
     """A loaded model under :data:`SMALL_MODEL` parameters."""
     return sum(p.numel() for p in model.parameters()) < SMALL_MODEL

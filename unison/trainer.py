@@ -101,15 +101,18 @@ class Trainer:
         preflight.check_run_dir(self.run_dir, cfg, resume)
         # ---- the machine, then the models: threads and the matmul library before any model is loaded (and the
         # async worker spawned); config.yaml holds the choice, so that --resume rounds as the run began
+        # the run's shapes: a decode step's rows (each rank's share; what the engine's products are measured and
+        # packed for) and the learner's micro-batches (what compile's auto times)
+        self._shape = compilation.run_shape(cfg, self.prompt_ids, self.dist.world_size)
         rt = runtime.setup(cfg.threads, resumed_choice(cfg, self.run_dir, "gemm") if resume else cfg.gemm, model_dir,
                            device=cfg.device, world_size=self.dist.world_size,
                            fp32=self.prec.learner_dtype == torch.float32,
                            engine_fp32=cfg.engine == "native" and self.prec.rollout_dtype == torch.float32,
-                           decode_rows=cfg.train.prompts_per_step * cfg.rollout.n)
+                           decode_rows=self._shape.rows)
         self.threads, self.gemm = rt.threads, rt.gemm
         self.compiled = compilation.decide(
             resumed_choice(cfg, self.run_dir, "compile") if resume else cfg.compile, model_dir, rt.sizes.params,
-            compilation.run_shape(cfg, self.prompt_ids, self.dist.world_size), exact=cfg.exact, world_size=self.dist.world_size,
+            self._shape, exact=cfg.exact, world_size=self.dist.world_size,
             device=cfg.device, engine_native=cfg.engine == "native",
             engine_packed=self.gemm.engine == "onednn" and self.prec.rollout_dtype == torch.float32,
             quantization_aware=cfg.train.quantization_aware, log=self.log)
@@ -168,7 +171,7 @@ class Trainer:
                            prompt_width=self.layout[0] if self.layout else None,
                            quantization=cfg.rollout.quantization,
                            quant_group_size=cfg.rollout.quant_group_size, compile=self.compiled.engine,
-                           decode_rows=cfg.train.prompts_per_step * cfg.rollout.n, **vopts)
+                           decode_rows=self._shape.rows, **vopts)
 
     # --------------------------------------------------------------- the step
     def train_step(self) -> dict:
