@@ -78,6 +78,37 @@ def test_the_mismatch_splits_into_numerics_and_staleness(tmp_path, rewards):
     assert bf[1]["mismatch/numeric_k3"] > 1e-7  # bf16 numerics show up as such
 
 
+def test_bf16_lora_at_zero_staleness_counts_no_staleness_the_merge_is_its_own_term(tmp_path, rewards, monkeypatch):
+    # issue 51, item 4: the engine samples merged weights W + BA (bf16), older versions were scored merged and the
+    # current one through the adapters — the merge's bf16 rounding (k3 ≈ 3e-4) counted as staleness. At an LR that
+    # moves nothing, every version is the same policy: staleness ≈ 0, and the rounding is the merge term. The
+    # adapters start trained (B ≠ 0, as the probe's LoRA rows: |BA| = 5% of |W|), else BA = 0 merges exactly
+    from unison import lora
+
+    apply = lora.apply
+
+    def trained(model, cfg, base_dir):
+        peft = apply(model, cfg, base_dir)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for _, layer in lora._lora_layers(model):
+                a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+                b.copy_(torch.randn(b.shape, generator=g))
+                b.mul_(0.05 * layer.base_layer.weight.norm() / (layer.scaling["default"] * (b @ a)).norm())
+        return peft
+
+    monkeypatch.setattr(lora, "apply", trained)
+    rows = _run(tmp_path, "lora", "rollout.max_staleness=1", "precision=bf16", "lora.rank=4", "lora.alpha=8",
+                "train.lr=1e-12", "mismatch.decompose_every=1", steps=3)
+    for r in rows[1:]:
+        assert r["staleness/max"] == 1.0
+        assert r["mismatch/staleness_k3"] < 1e-9, r["mismatch/staleness_k3"]
+        assert r["mismatch/merge_k3"] > 1e-6  # bf16: the merged weights round otherwise than W and B·A apart
+        total = r["mismatch/numeric_k1"] + r["mismatch/staleness_k1"] + r["mismatch/merge_k1"]
+        assert total == pytest.approx(r["mismatch/k1"], abs=1e-6)
+        assert r["ledger/staleness_k3"] < 1e-9 and r["ledger/merge_k3"] == pytest.approx(r["mismatch/merge_k3"])
+
+
 def test_weights_reach_the_worker_through_shared_memory():
     shapes = [("a", (2, 3)), ("b", (4,))]
     ring = WeightRing(shapes, slots=2)
@@ -112,6 +143,33 @@ def test_off_policy_anchors_train(tmp_path, rewards, anchor):
                 steps=3)
     assert all(r["optim/steps"] == 2 and r["optim/skipped_steps"] == 0 for r in rows)
     assert rows[-1]["staleness/max"] == 1.0
+
+
+def test_loglinear_on_rows_of_different_lengths_cuts_the_versions_to_each_micro_batch(tmp_path, rewards):
+    # prompts of 4 to 18 characters, so a micro-batch without the batch's longest row is narrower than
+    # the batch; the per-token versions [B, L] were taken at the batch's width: "size of tensor a (13) must match
+    # the size of tensor b (12)" at the first update of a stale sample (issue 51, item 1)
+    import json
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "1+" * n + "1="}) + "\n" for n in range(1, 9)))
+    rows = _run(tmp_path, "ll", "rollout.max_staleness=1", "policy.anchor=loglinear", "task.name=jsonl",
+                f"task.path={data}", "task.eval_size=0", "train.mini_batches=4", "train.micro_batch_size=2",
+                "log.rollouts=true", steps=2)
+    widths = {len(json.loads(x)["prompt"]) for x in (tmp_path / "ll" / "rollouts" / "step_000002.jsonl").open()}
+    assert len(widths) > 1, widths  # rows of different lengths, or the test cannot fail
+    assert [r["optim/steps"] for r in rows] == [4, 4] and rows[-1]["staleness/max"] == 1.0
+
+
+def test_loglinear_alpha_follows_each_token_on_a_narrow_micro_batch():
+    from unison.algorithms.anchors import OldLogp
+
+    v = torch.tensor([[0, 3, 3, 4, 4], [0, 4, 4, 0, 0]])  # per-token versions, batch width 5
+    old = OldLogp("loglinear", None, v, step=4, mini_batches=2)
+    theta, mu = torch.full((1, 3), -1.0), torch.full((1, 3), -2.0)  # row 1 alone: 3 columns wide
+    # mini-batch 1 of 2: v_θ = 4.5; tokens of version 4: α = (4 − 4)/(4.5 − 4) = 0 → log μ; version 0: α = 4/4.5
+    got = old(torch.tensor([1]), theta, mu, 1)
+    assert got.tolist() == [pytest.approx([-2.0 + 4 / 4.5, -2.0, -2.0])]
 
 
 def test_dppo_with_bypass_runs_under_staleness(tmp_path, rewards):

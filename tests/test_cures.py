@@ -177,6 +177,48 @@ def test_grpo_m2po_is_arealss_decoupled_m2po_on_a_hand_computed_batch():
     assert torch.allclose(per_tok.detach(), -want.new_tensor([[1.0], [-1.0]]) * CORRECTIONS["m2po"](old, mu, mask)[0])
 
 
+def test_m2po_under_a_token_mean_divides_by_the_tokens_it_keeps_as_areal_does(tiny_dir, tmp_path):
+    """AReaL multiplies the loss mask by M2PO's, so its token mean divides by the kept tokens; unison divided by
+    every response token, a step (1 − m2_masked_fraction) of AReaL's (issue 51, item 9). At r = 1 the PPO term is
+    −w_t·A, so the loss is −Σ w_t A_i over the normaliser's count, by hand."""
+    from unison.algorithms.anchors import OldLogp
+    from unison.algorithms.corrections import LOSS_MASKS
+    from unison.batch import collate
+    from unison.config import load_config
+    from unison.learner import Learner
+    from unison.rollout import SamplingParams, make_engine
+
+    eng = make_engine("native", tiny_dir, torch.float32)
+    ids = [eng.tokenizer(t)["input_ids"] for t in ("12+35=", "7+8=")]
+    b = collate(eng.generate(ids, SamplingParams(n=2, max_tokens=6, seed=1)), eng.pad_id)
+    cfg = load_config(None, ["algo=grpo_m2po", "policy.loss_agg=token_mean", "train.mini_batches=1"])
+    learner = Learner.from_config(cfg, tiny_dir)
+    b.logp_old = learner.score(b)
+    g = torch.Generator().manual_seed(0)
+    b.logp_mu = (b.logp_old + 0.3 * torch.randn(b.tokens.shape, generator=g)) * b.response_mask  # a stale μ
+    b.advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    pol = learner.policy
+    w, met = CORRECTIONS["m2po"](b.logp_old, b.logp_mu, b.response_mask, **correction_kwargs(pol))
+    keep = LOSS_MASKS["m2po"](b.logp_old, b.logp_mu, b.response_mask, **correction_kwargs(pol))
+    n_resp, n_kept = float(b.response_mask.sum()), float(keep.sum())
+    assert 0 < n_kept < n_resp and met["correction/m2_masked_fraction"] == pytest.approx(1 - n_kept / n_resp)
+    assert torch.equal(keep.bool(), keep.bool() & b.response_mask.bool())
+    signal = float(-(w * b.advantages[:, None]).sum())
+    old = OldLogp("score", b.logp_old)
+    areal = learner.train(b, old, w, lr=0.0, loss_mask=keep).metrics["policy/loss"]
+    every = learner.train(b, old, w, lr=0.0).metrics["policy/loss"]
+    assert areal == pytest.approx(signal / n_kept, rel=1e-5)
+    assert every == pytest.approx(signal / n_resp, rel=1e-5)
+    # the trainer asks for the kept tokens exactly under a token mean (the preset's Dr.GRPO normaliser is constant)
+    from unison.trainer import Trainer
+
+    for agg, wired in (("token_mean", True), ("seq_mean_token_sum_norm", False)):
+        t = Trainer(load_config(None, ["algo=grpo_m2po", f"policy.loss_agg={agg}", "log.console=false",
+                                       "log.tensorboard=false"]), tmp_path / agg, log=lambda m: None)
+        assert (t.loss_mask is not None) == wired
+        t.source.close()
+
+
 def test_grpo_m2po_preset_and_bad_input():
     with pytest.raises(UnisonError, match="policy.correction_c"):
         config_from_dict({"algo": "grpo_m2po"}, ["policy.correction_c=0"])
@@ -285,9 +327,34 @@ def test_mismatch_budget_without_its_metric_warns_once_and_says_so_in_the_summar
     assert summary["mismatch_budget"]["steps_without_metric"] == 2
 
 
+def test_a_step_without_an_update_is_not_a_missing_budget_metric(tmp_path, capsys):
+    """Every group uniform: the step makes no update and measures no mismatch. The budget holds its LR without
+    counting the step as missing, and no warning tells the user to set a metric that is set (issue 51, item 7)."""
+    from unison.cli import main
+    from unison.data_io import read_metrics
+
+    (tmp_path / "flat.py").write_text("def reward(response, item):\n    return 0.0\n")
+    (tmp_path / "c.yaml").write_text("seed: 0\n")
+    args = ["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")] + [f"--set={s}" for s in [
+        "task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=4", "train.steps=2", "log.tensorboard=false", "train.schedule=mismatch_budget",
+        f"task.reward={tmp_path / 'flat.py'}:reward", "task.truncated_reward=null", "train.drop_uniform_groups=true"]]
+    assert main(args) == 0
+    text = "".join(capsys.readouterr())
+    assert "no update" in text and "watches" not in text
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["schedule/budget_missing"] for r in rows] == [0, 0]
+    assert [r["schedule/budget_factor"] for r in rows] == [1.0, 1.0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mismatch_budget"]["steps_without_metric"] == 0
+
+
 @pytest.mark.parametrize("sets,why", [(["train.mismatch_budget.metric=mismatch/staleness_k3"], "synchronous"),
                                       (["rollout.max_staleness=1", "lora.rank=2", "train.quantization_aware=true",
-                                        "rollout.quantization=int4"], "quantization-aware learner with LoRA")])
+                                        "rollout.quantization=int4"], "quantization-aware learner with LoRA"),
+                                      # a vLLM server keeps no older weights: the split never runs (issue 51, item 6)
+                                      (["rollout.max_staleness=1", "engine=vllm", "vllm.mode=server",
+                                        "vllm.url=http://127.0.0.1:9"], "engine vllm (server) keeps none")])
 def test_mismatch_budget_on_a_metric_the_run_cannot_log_is_refused(tmp_path, capsys, sets, why):
     from unison.cli import main
 

@@ -176,3 +176,134 @@ def test_a_served_teacher_needs_temperature_1_and_a_local_copy(tmp_path, capsys)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
         assert not out.exists()
+
+
+def test_under_top_p_the_teacher_scores_its_full_distribution_not_the_students_support(tmp_path):
+    # issue 51, item 2: the teacher's scorer replayed the student's sampling mask, so log π_T was renormalised over
+    # the teacher's top-c of the student's support size (0 where the student kept one token)
+    from unison.batch import collate
+    from unison.policy import Scorer
+    from unison.rollout import SamplingParams, make_engine
+    from unison.teacher import Teacher
+
+    cfg = load_config(None, ["algo=opd", "distill.teacher=builtin:tiny", "rollout.top_p=0.7"])
+    from unison.models import load_tokenizer, resolve_model_dir
+
+    d = resolve_model_dir("builtin:tiny")
+    teacher = Teacher(cfg, load_tokenizer(d))
+    eng = make_engine("native", d, torch.float32)
+    ids = [eng.tokenizer(t)["input_ids"] for t in ("12+35=", "7+8=")]
+    b = collate(eng.generate(ids, SamplingParams(n=4, max_tokens=12, top_p=0.7, seed=3)), eng.pad_id)
+    assert "support" in b.extras  # top-p: the engine recorded each token's support
+    full = Scorer(d, replay_sampling_mask=False).score(b)
+    replayed = Scorer(d, replay_sampling_mask=True).score(b)
+    assert float((full - replayed).abs().max()) > 0.1  # the two differ here, or the test could not fail
+    assert torch.equal(teacher.score(b), full)
+
+
+# ------------------------------------------------------------------ distill.estimator: full (issue 52, item 4)
+def test_the_full_reverse_kl_and_its_gradient_on_a_hand_computed_case():
+    # one position, a 3-token vocabulary: z = h·Wᵀ = [0, ln 2, 0] → π = [1/4, 1/2, 1/4]; the teacher q = [1/2, 1/4, 1/4].
+    # KL(π ‖ q) = 1/4·ln(1/2) + 1/2·ln 2 + 0 = ln2 / 4. ∂KL/∂z_j = π_j (log π_j − log q_j − KL):
+    # [1/4·(−ln2 − ln2/4), 1/2·(ln2 − ln2/4), 1/4·(−ln2/4)] = ln2·[−5/16, 3/8, −1/16]; with h = 1, ∂KL/∂W = that
+    # column and ∂KL/∂h = Σ_j ∂KL/∂z_j · W_j = 3/8·ln²2
+    from unison.policy import _HeadKL
+
+    ln2 = math.log(2.0)
+    h = torch.tensor([[1.0]], requires_grad=True)
+    w = torch.tensor([[0.0], [ln2], [0.0]], requires_grad=True)
+    logq = torch.tensor([[0.5, 0.25, 0.25]]).log()
+    logp, ent, kl = _HeadKL.apply(h, w, None, torch.tensor([1]), 1.0, True, logq)
+    assert kl.item() == pytest.approx(ln2 / 4, rel=1e-6)
+    assert logp.item() == pytest.approx(math.log(0.5), rel=1e-6)
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) * 2 + 0.5 * math.log(0.5)), rel=1e-6)
+    kl.sum().backward()
+    assert w.grad.view(-1).tolist() == pytest.approx([-5 / 16 * ln2, 3 / 8 * ln2, -1 / 16 * ln2], rel=1e-5)
+    assert h.grad.item() == pytest.approx(3 / 8 * ln2 ** 2, rel=1e-5)
+    # the target's log-prob: ∂log π(1)/∂z = onehot(1) − π = [−1/4, 1/2, −1/4]
+    h.grad, w.grad = None, None
+    logp, _, _ = _HeadKL.apply(h, w, None, torch.tensor([1]), 1.0, False, logq)
+    logp.sum().backward()
+    assert w.grad.view(-1).tolist() == pytest.approx([-0.25, 0.5, -0.25], rel=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_full_reverse_kl_equals_autograd_of_the_kl(temperature):
+    # 5 positions, d 8, a 50-token vocabulary, a bias: values and gradients of log π(target) and KL, both at once,
+    # against autograd through log_softmax; the unfused path (the one autocast, transforms and GPUs take) too
+    from unison.policy import _HeadKL, _head_logp_kl
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 8, generator=g, requires_grad=True)
+    head = torch.nn.Linear(8, 50)
+    logq = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
+    tg = torch.randint(0, 50, (5,), generator=g)
+    a_lp, a_kl = torch.randn(5, generator=g), torch.randn(5, generator=g)  # upstream gradients of both outputs
+
+    def reference():
+        lp_all = torch.log_softmax(head(h) / temperature, -1)
+        kl = (lp_all.exp() * (lp_all - logq)).sum(-1)
+        return lp_all.gather(-1, tg[:, None]).squeeze(-1), kl
+
+    outs = {}
+    for name, fn in (("autograd", reference),
+                     ("fused", lambda: _HeadKL.apply(h, head.weight, head.bias, tg, temperature, False, logq)[::2]),
+                     ("unfused", lambda: _head_logp_kl(h, tg, head, temperature, None, False, None, h,
+                                                       type("T", (), {"log_probs": lambda s, x, t: logq})(),
+                                                       fused=False)[::2])):
+        for p in (h, head.weight, head.bias):
+            p.grad = None
+        lp, kl = fn()
+        ((lp * a_lp).sum() + (kl * a_kl).sum()).backward()
+        outs[name] = [lp.detach(), kl.detach(), h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    for name in ("fused", "unfused"):
+        for got, want in zip(outs[name], outs["autograd"]):
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), name
+    assert float(outs["autograd"][1].min()) > 0  # the KL of two different distributions
+
+
+def _opd(tmp_path, name, *sets, steps=2):
+    from unison.trainer import Trainer
+
+    cfg = load_config(None, ["task.digits=1", "task.train_size=16", "task.eval_size=2", "rollout.n=2",
+                             "rollout.max_new_tokens=4", f"train.steps={steps}", "train.prompts_per_step=4",
+                             "algo=opd", "distill.teacher=builtin:tiny", "log.tensorboard=false",
+                             "log.console=false", "checkpoint.every=0", *sets])
+    Trainer(cfg, tmp_path / name, log=lambda m: None).fit()
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def test_the_full_estimator_trains_toward_the_teacher_and_is_zero_against_itself(tmp_path):
+    # a teacher that is the student: the exact reverse KL is 0 at step 1 (fp32 both), and the update is 0
+    rows = _opd(tmp_path, "self", "distill.estimator=full", "train.logprob_chunk=3")  # several chunks per row
+    assert abs(rows[0]["distill/reverse_kl_full"]) < 1e-6 and abs(rows[0]["distill/reverse_kl_pi"]) < 1e-6
+    # a teacher elsewhere (the tiny model's weights perturbed): the loss is the KL, its gradient moves the student
+    # toward the teacher — over a few steps at a large LR the exact KL falls
+    from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir
+
+    d = resolve_model_dir("builtin:tiny")
+    m = load_model(d)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+    save_model_dir(m, load_tokenizer(d), tmp_path / "teacher")
+    rows = _opd(tmp_path, "far", "distill.estimator=full", f"distill.teacher={tmp_path / 'teacher'}",
+                "train.lr=3e-3", steps=6)
+    kls = [r["distill/reverse_kl_full"] for r in rows]
+    assert kls[0] > 0.05 and kls[-1] < 0.8 * kls[0], kls
+    assert all(r["optim/grad_norm"] > 0 for r in rows)
+
+
+def test_the_full_estimator_refuses_what_cannot_give_it_logits(tmp_path, capsys):
+    from unison.cli import main
+
+    (tmp_path / "c.yaml").write_text("seed: 0\n")
+    for extra, why in ((["distill.teacher_url=http://127.0.0.1:9"], "a served teacher"),
+                       (["train.packing=true"], "train.packing=false")):
+        args = ["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")] + [
+            f"--set={s}" for s in ["algo=opd", "distill.teacher=builtin:tiny", "distill.estimator=full", *extra]]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "distill.estimator=full cannot run here" in err and why in err and "distill.estimator=sampled" in err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -14,13 +14,14 @@ from unison.trainer import Trainer, read_metrics
 
 # ------------------------------------------------------------------ the chain by hand
 # two rows: row 0 (two response tokens) sampled one version ago, row 1 (one token) at the current version.
-# log-probs of each state, per response token:
 MU = {0: [-1.0, -2.0], 1: [-0.5]}
 DECODE = {0: [-1.1, -2.0], 1: [-0.5]}                 # the engine's prefill pass
-AS_ENGINE = {0: [-1.2, -1.9], 1: [-0.7]}              # learner: quantizer on, sampled support, sample's version
-NO_QUANT = {0: [-1.0, -1.8], 1: [-0.6]}               # quantizer off
-FULL_VOCAB = {0: [-1.3, -2.0], 1: [-0.9]}             # over the whole vocabulary (no replay)
-PI_OLD = {0: [-1.5, -2.5], 1: [-0.9]}                 # the current version: the trainer's π_old
+PI_OLD = {0: [-1.5, -2.5], 1: [-0.9]}                 # the learner as the trainer runs it, at the current version
+# every other state of the learner is PI_OLD minus a distinct offset per knob, so that a pass scored in a wrong state
+# (a quantizer left on, the wrong version, adapters added twice) gives numbers of its own:
+#   quantizer on 0.3, support replayed 0.07, each version behind the current one 0.011, scored under merged weights
+#   (LoRA: the engine's W + BA) 0.005 — every sum of a subset of them differs from every other
+OFF = {"quantizer": 0.3, "replay": 0.07, "behind": 0.011, "merged": 0.005}
 
 
 class _Quantizer:
@@ -36,24 +37,29 @@ class _Quantizer:
 
 
 class _Learner:
-    """Answers score() from the tables by its settings, as a learner would."""
+    """Answers score() as a function of every setting it is called with: the quantizer's state, the support replay,
+    the version the weights are of and, with LoRA, whether they came merged (``weights`` given) or through the
+    adapters (None, the current version)."""
 
-    qat, moe, routing_replay = None, False, False
+    qat, moe, routing_replay, sharded = None, False, False, False
 
-    def __init__(self, quantizer):
-        self.q, self.replay_sampling_mask = quantizer, False
+    def __init__(self, quantizer, step, lora=False):
+        self.q, self.step, self.replay_sampling_mask = quantizer, step, False
+        self.peft = object() if lora else None
+
+    def export_weights(self, dtype=None):
+        yield "version", self.step  # the current weights, merged (a LoRA learner's export)
 
     def score(self, batch, weights=None, *, replay_sampling_mask=None, routing_replay=None):
         replay = self.replay_sampling_mask if replay_sampling_mask is None else replay_sampling_mask
+        version = self.step if weights is None else weights["version"]
+        merged = self.peft is not None and weights is not None
+        off = OFF["quantizer"] * self.q.enabled + OFF["replay"] * replay + OFF["behind"] * (self.step - version) \
+            + OFF["merged"] * merged
         out = torch.zeros(batch.tokens.shape)
         for i in range(batch.size):
             row = int(batch.tokens[i, 0]) - 5  # the prompt token names the row
-            if self.q.enabled:
-                vals = AS_ENGINE[row]
-            elif replay:
-                vals = NO_QUANT[row]
-            else:
-                vals = FULL_VOCAB[row] if (weights is not None or row == 1) else PI_OLD[row]
+            vals = [v - off for v in PI_OLD[row]]
             p = len(batch.tokens[i]) - (batch.tokens[i] == 0).sum() - len(vals)
             out[i, int(p):int(p) + len(vals)] = torch.tensor(vals)
         return out
@@ -71,36 +77,82 @@ def _table(batch, vals):
     return out
 
 
+def _plan(**kw):
+    args = dict(quantized=True, quantization_aware=False, truncated=True, replay_support=False, moe=False,
+                routing_replay=False, asynchronous=True, can_rescore=None, can_score_old=True)
+    return ledger.plan(**{**args, **kw})
+
+
 def test_the_chain_by_hand_on_two_rows():
     step = 4
     b = _batch(step)
     q = _Quantizer()
-    plan = ledger.plan(quantized=True, quantization_aware=False, truncated=True, replay_support=False, moe=False,
-                       routing_replay=False, asynchronous=True, can_rescore=None, can_score_old=True)
+    plan = _plan()
     assert plan.present == ["decode", "engine", "quantization", "truncation", "staleness"] and not plan.unmeasured
-    led = ledger.Ledger(_Learner(q), plan, "int4", rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
-                        weights=lambda u: {"old": u}, quantizer=q)
+    learner = _Learner(q, step)
+    led = ledger.Ledger(learner, plan, "int4", rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
+                        weights=lambda u: {"version": u}, quantizer=q)
     m = led.measure(b, _table(b, PI_OLD), step)
-    # k1 of each pair = mean over the 3 response tokens of (log p_prev − log p_next)
-    want = {"decode": 0.1 / 3, "engine": 0.2 / 3, "quantization": -0.4 / 3, "truncation": 0.8 / 3,
-            "staleness": 0.7 / 3}
+    # the chain's states, per response token (row 0's two tokens one version behind, row 1's current):
+    #   decode  −1.1 −2.0 | −0.5
+    #   engine (quantizer, replay, the sample's version): PI_OLD − 0.3 − 0.07 − 0.011 on row 0, − 0.37 on row 1
+    #     = −1.881 −2.881 | −1.27
+    #   quantization off: −1.581 −2.581 | −0.97;  truncation (no replay): −1.511 −2.511 | −0.9
+    #   staleness (the current version) = π_old: −1.5 −2.5 | −0.9
+    # k1 of each pair = mean over the 3 tokens of (log p_prev − log p_next)
+    want = {"decode": 0.1 / 3, "engine": (0.781 + 0.881 + 0.77) / 3, "quantization": -0.9 / 3,
+            "truncation": -0.21 / 3, "staleness": -0.022 / 3}
     for term, v in want.items():
         assert m[f"ledger/{term}_k1"] == pytest.approx(v, abs=1e-6), term
-    assert m["ledger/total_k1"] == pytest.approx(1.4 / 3, abs=1e-6)
+    assert m["ledger/total_k1"] == pytest.approx((0.5 + 0.5 + 0.4) / 3, abs=1e-6)
     assert sum(m[f"ledger/{t}_k1"] for t in want) == pytest.approx(m["ledger/total_k1"], abs=1e-6)
-    # k3 of a pair, e.g. quantization: mean(e^{r} − 1 − r), r = log p_next − log p_prev = +0.2, +0.1, +0.1
+    # k3 of a pair, e.g. quantization: mean(e^{r} − 1 − r), r = log p_next − log p_prev = +0.3 on every token
     import math
 
-    k3 = sum(math.expm1(r) - r for r in (0.2, 0.1, 0.1)) / 3
-    assert m["ledger/quantization_k3"] == pytest.approx(k3, rel=1e-5)
+    assert m["ledger/quantization_k3"] == pytest.approx(math.expm1(0.3) - 0.3, rel=1e-5)
     # the numerics/staleness split reuses the learner at the samples' versions (no second pass)
-    assert torch.allclose(led.behave(step), _table(b, FULL_VOCAB))
+    behave, now = led.split(step)
+    assert now is None and torch.allclose(behave, _table(b, {0: [-1.511, -2.511], 1: [-0.9]}))
     # an engine that cannot re-score: the decode term merges into the engine term
-    plan2 = ledger.plan(quantized=True, quantization_aware=False, truncated=True, replay_support=False, moe=False,
-                        routing_replay=False, asynchronous=True, can_rescore="no prefill for unison", can_score_old=True)
-    m2 = ledger.Ledger(_Learner(q), plan2, "int4", weights=lambda u: {}, quantizer=q).measure(b, _table(b, PI_OLD), step)
-    assert "ledger/decode_k1" not in m2 and m2["ledger/engine_k1"] == pytest.approx(0.3 / 3, abs=1e-6)
+    plan2 = _plan(can_rescore="no prefill for unison")
+    m2 = ledger.Ledger(_Learner(q, step), plan2, "int4", weights=lambda u: {"version": u},
+                       quantizer=q).measure(b, _table(b, PI_OLD), step)
+    assert "ledger/decode_k1" not in m2 and m2["ledger/engine_k1"] == pytest.approx(want["engine"] + 0.1 / 3, abs=1e-6)
     assert "shares of" in ledger.shares(m) and ledger.shares(m).startswith("ledger: decode")
+
+
+def test_the_chain_by_hand_with_lora_keeps_the_merge_out_of_staleness():
+    # LoRA: the engine holds W + BA of every version (the weight ring's older copies are merged), the trainer scores
+    # the current one through its adapters. The chain scores every state "as the engine ran" under merged weights —
+    # the current version too — and the last step, merged → adapters, is the merge term; staleness compares merged
+    # with merged (issue 51, item 4: it held the merge's rounding)
+    step = 4
+    b = _batch(step)
+    q = _Quantizer()
+    plan = _plan(lora=True)
+    assert plan.present == ["decode", "engine", "quantization", "truncation", "staleness", "merge"]
+    led = ledger.Ledger(_Learner(q, step, lora=True), plan, "int4",
+                        rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
+                        weights=lambda u: {"version": u}, quantizer=q)
+    m = led.measure(b, _table(b, PI_OLD), step)
+    # every pass before the merge is 0.005 lower than without LoRA (merged weights); the current version's too
+    want = {"decode": 0.1 / 3, "engine": (0.786 + 0.886 + 0.775) / 3, "quantization": -0.9 / 3,
+            "truncation": -0.21 / 3, "staleness": -0.022 / 3, "merge": -0.015 / 3}
+    for term, v in want.items():
+        assert m[f"ledger/{term}_k1"] == pytest.approx(v, abs=1e-6), term
+    assert sum(m[f"ledger/{t}_k1"] for t in want) == pytest.approx(m["ledger/total_k1"], abs=1e-6)
+    behave, now = led.split(step)
+    assert torch.allclose(behave, _table(b, {0: [-1.516, -2.516], 1: [-0.905]}))
+    assert torch.allclose(now, _table(b, {0: [-1.505, -2.505], 1: [-0.905]}))
+    # without a stale sample: no staleness term, the merge still measured
+    fresh = collate([Completion([5], [7, 8], MU[0], "stop", version=step),
+                     Completion([6], [9], MU[1], "stop", prompt_index=1, version=step)], pad_id=0)
+    m = led.measure(fresh, _table(fresh, PI_OLD), step)
+    assert "ledger/staleness_k1" not in m and m["ledger/merge_k1"] == pytest.approx(-0.015 / 3, abs=1e-6)
+    assert ledger.plan(**{**dict(quantized=False, quantization_aware=True, truncated=False, replay_support=False,
+                                 moe=False, routing_replay=False, asynchronous=False, can_rescore=None,
+                                 can_score_old=True), "lora": True}).present == ["decode", "engine"]
+    assert _plan(lora=True, can_score_merged=False).unmeasured["merge"].startswith("the learner cannot score")
 
 
 # ------------------------------------------------------------------ the ledger in real runs
@@ -139,10 +191,15 @@ def _adds_up(rows, terms, first=1):
     (["rollout.quantization=int4"], ["decode", "engine", "quantization"], "quantization"),
     (["rollout.max_staleness=1", "train.lr=1e-2"], ["decode", "engine", "staleness"], "staleness"),
     (["rollout.top_p=0.8", "rollout.replay_sampling_mask=false"], ["decode", "engine", "truncation"], "truncation"),
-    # LoRA: the older version is the weight ring's merged copy, scored with the adapters off
-    (["rollout.max_staleness=1", "train.lr=1e-2", "lora.rank=4", "lora.alpha=8"], ["decode", "engine", "staleness"],
-     "staleness"),
-], ids=["int4", "K=1", "top-p", "K=1-LoRA"])
+    # LoRA: the older version is the weight ring's merged copy, scored with the adapters off; the current one too,
+    # merged, before the merge term takes it through the adapters
+    (["rollout.max_staleness=1", "train.lr=1e-2", "lora.rank=4", "lora.alpha=8"],
+     ["decode", "engine", "staleness", "merge"], "staleness"),
+    # and with the ledger's own quantizer: an older version's merged weights quantized as they are (the adapters
+    # were added a second time on top: engine k3 0.14–0.25 in fp32, issue 51 item 3)
+    (["rollout.max_staleness=1", "train.lr=1e-2", "rollout.quantization=int4", "rollout.quant_group_size=32",
+      "lora.rank=4", "lora.alpha=8"], ["decode", "engine", "quantization", "staleness", "merge"], "quantization"),
+], ids=["int4", "K=1", "top-p", "K=1-LoRA", "K=1-int4-LoRA"])
 def test_the_terms_add_up_to_the_total_on_every_logged_step(tmp_path, reward, sets, terms, dominant):
     rows = _fit(tmp_path, "run", reward + sets, steps=3 if "staleness" in terms else 2)
     logged = _adds_up(rows, terms)

@@ -107,6 +107,28 @@ def test_routing_replay_gives_the_learner_the_rollouts_experts(zoo):
     assert replayed["mismatch/k3"] < plain["mismatch/k3"]
 
 
+def test_lora_dropout_scores_pi_old_without_dropout_and_refuses_the_anchors_that_read_the_training_forward(
+        tmp_path, rewards):
+    # issue 51, item 5: with one mini-batch π_old was fused into the training forward, a LoRA-dropout sample (k3
+    # 0.041 against the score pass) feeding the corrections, mismatch/k3 and the budget
+    from unison.errors import UnisonError
+
+    sets = BASE + ["train.steps=2", "lora.rank=4", "lora.alpha=8", "lora.dropout=0.3", "train.mini_batches=1",
+                   "algo=grpo_token_tis"]
+    t = Trainer(load_config(None, sets), tmp_path / "run", log=lambda m: None)
+    assert t.anchor == "score"
+    t.fit()
+    rows = read_metrics(tmp_path / "run/metrics.jsonl")
+    assert all(r["mismatch/k3"] < 1e-10 for r in rows)  # fp32: π_old is the policy μ sampled, no dropout noise
+    assert rows[-1]["optim/grad_norm"] > 0
+    for anchor in ("bypass", "loglinear"):
+        with pytest.raises(UnisonError, match=f"policy.anchor={anchor} reads π_old .* lora.dropout=0.3 .*"
+                                               f"set lora.dropout=0, or policy.anchor=recompute"):
+            Trainer(load_config(None, sets + [f"policy.anchor={anchor}", "algo=grpo"]), tmp_path / anchor,
+                    log=lambda m: None)
+        assert not (tmp_path / anchor).exists()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_lora_trains_only_adapters_and_syncs_merged_weights(tmp_path, tiny_dir, rewards, precision):
     cfg = load_config(None, BASE + ["train.steps=3", "lora.rank=4", "lora.alpha=8", f"precision={precision}",

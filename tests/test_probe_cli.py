@@ -74,3 +74,17 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, case):
 def test_help_lists_probe():
     proc = run_cli(["probe", "--help"])
     assert proc.returncode == 0 and "--max-new-tokens" in proc.stdout
+
+
+def test_the_probes_tables_are_whole_through_a_pipe(tmp_path):
+    """stdout a pipe (``unison probe > log``, CI logs): rich assumes 80 columns there and cut every header to
+    "fin…"; the tables are sized to their content (issue 57, item 3; issue 51, item 10)."""
+    r = run_cli(["probe", "--precision", "fp32", "--n", "2", "--max-new-tokens", "12", "--ledger",
+                 "--quantization", "none,int4", "--top-p", "1,0.9", "--out", str(tmp_path / "p")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "…" not in r.stdout, r.stdout[:3000]
+    for header in ("engine", "precision", "seq KL (k3)", "slope/1K", "peak RSS GiB", "decode", "total k3",
+                   "Σ k1 = total k1"):
+        assert header in r.stdout
+    widths = {len(line) for line in r.stdout.splitlines() if line.startswith(("┃", "│"))}
+    assert widths and max(widths) > 80  # wider than rich's default for a pipe: nothing was squeezed to fit

@@ -109,7 +109,7 @@ def _add_probe(sub) -> None:
 
 
 def cmd_probe(args) -> int:
-    from rich.console import Console
+    from unison.runlog import table_console
 
     from unison.probe import ProbeConfig, format_table, ratio, run_probe, write_outputs
 
@@ -134,16 +134,18 @@ def cmd_probe(args) -> int:
                   log=lambda m: print(f"[probe] {m}", file=sys.stderr, flush=True))
     out = run_probe(cfg)
     written = write_outputs(out, out_dir)
-    console = Console(width=max(Console().width, 170))
-    console.print(format_table(out["results"], out["timings"]))
+    tables = [format_table(out["results"], out["timings"])]
     if cfg.ledger:
         from unison.probe import format_ledger
 
-        console.print(format_ledger(out["results"]))
+        tables.append(format_ledger(out["results"]))
     if cfg.locate:
         from unison.locate import format_locate
 
-        console.print(format_locate(out["results"]))
+        tables.append(format_locate(out["results"]))
+    console = table_console(*tables)
+    for table in tables:
+        console.print(table)
     by = {(r["engine"], r["precision"]): r for r in out["results"]
           if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"] and r["quantization"] == "none"
           and r["top_p"] == 1.0 and not r["top_k"]}
@@ -311,7 +313,7 @@ def _add_sanity(sub) -> None:
 
 
 def cmd_sanity(args) -> int:
-    from rich.console import Console
+    from unison.runlog import table_console
 
     from unison.filter import parse_band
     from unison.probe import ratio
@@ -327,8 +329,9 @@ def cmd_sanity(args) -> int:
     summaries, report, _ = run_sanity(cfg, out, _csv(args.precisions), _csv(args.algorithms),
                                    k=args.k, band=band, max_prompts=args.max_prompts, seeds=seeds,
                                    quantizations=_csv(args.quantization))
-    console = Console(width=max(Console().width, 140))
-    console.print(rich_table(summaries, title="sanity test: one row per arm"))
+    table = rich_table(summaries, title="sanity test: one row per arm")
+    console = table_console(table)
+    console.print(table)
     by = {s["arm"]: s for s in summaries}
     for algo in _csv(args.algorithms):
         bf, fp = by.get(f"bf16-{algo}"), by.get(f"fp16-{algo}")
@@ -370,7 +373,7 @@ def _add_demo(sub) -> None:
 
 
 def cmd_demo(args) -> int:
-    from rich.console import Console
+    from unison.runlog import table_console
 
     from unison.demo import COLLAPSE_RECIPE, DEFAULT_REGIME, PRECISION_STEPS, REGIMES, run_demo
     from unison.report import rich_table
@@ -397,8 +400,9 @@ def cmd_demo(args) -> int:
     res = run_demo(precision_cfg, collapse_cfg, out, _csv(args.precisions), regime=regime, k=args.k,
                    max_prompts=args.max_prompts, collapse_prompts=args.collapse_prompts, seeds=seeds,
                    from_scratch=args.from_scratch, workers=args.workers)
-    console = Console(width=max(Console().width, 140))
-    console.print(rich_table(res["arms"], title="unison demo: one row per run"))
+    table = rich_table(res["arms"], title="unison demo: one row per run")
+    console = table_console(table)
+    console.print(table)
     console.print(res["headline"])
     console.print(f"report: {res['report']} ({res['wall_s'] / 60:.1f} min)")
     return 0
@@ -418,7 +422,7 @@ def _add_report(sub) -> None:
 
 
 def cmd_report(args) -> int:
-    from rich.console import Console
+    from unison.runlog import table_console
 
     from unison.report import rich_table, summarize_all, write_report
 
@@ -426,8 +430,9 @@ def cmd_report(args) -> int:
     summaries = summarize_all(runs)
     out = Path(args.out) if args.out else (runs[0] if len(runs) == 1 else Path("report"))
     path = write_report(runs, out, baseline=args.baseline)
-    console = Console(width=max(Console().width, 125 + max(len(s["arm"]) for s in summaries)))
-    console.print(rich_table(summaries))
+    table = rich_table(summaries)
+    console = table_console(table)
+    console.print(table)
     if args.baseline:
         import json
 

@@ -58,6 +58,9 @@ class Learner(Scorer):
         self.opt = None
         self.scaler = None
         self.skipped_steps = 0
+        #: on-policy distillation with ``distill.estimator: full``: (the teacher, coef) — the loss adds
+        #: coef · w_t · KL(π(·|s_t) ‖ π_T(·|s_t)) per response token (unison/teacher.py gives the teacher's side)
+        self.distill: tuple | None = None
 
     @classmethod
     def from_config(cls, cfg, model_dir: str | Path, dist: Dist | None = None, prec: Precision | None = None,
@@ -98,7 +101,8 @@ class Learner(Scorer):
         return self
 
     # ----------------------------------------------------------------- update
-    def train(self, batch: RolloutBatch, old_logp, weights, lr: float, seed: int = 0) -> UpdateStats:
+    def train(self, batch: RolloutBatch, old_logp, weights, lr: float, seed: int = 0,
+              loss_mask: torch.Tensor | None = None) -> UpdateStats:
         """``train.mini_batches`` optimizer steps on ``batch`` (collective when sharded).
 
         ``old_logp(rows, logp, logp_mu, mini_batch_index)``: log π_old of a micro-batch's rows
@@ -107,7 +111,9 @@ class Learner(Scorer):
         per-token weights [B, L], or a function ``(logp_old, logp_mu, mask) -> weights``
         evaluated per micro-batch on that log π_old.
         The rows are split into mini-batches by a permutation seeded with ``seed``;
-        every normaliser counts the whole mini-batch on every rank.
+        every normaliser counts the whole mini-batch on every rank. ``loss_mask`` [B, L]: the tokens the loss counts,
+        where a correction drops some from it (M2PO under a token mean, AReaL's normaliser); the response tokens
+        otherwise. The entropy and the metrics' weights stay over the response tokens.
         """
         from unison.algorithms.losses import LOSSES, aggregate
         from unison.algorithms.presets import loss_kwargs
@@ -134,8 +140,10 @@ class Learner(Scorer):
         logp_first = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         routing_first = moe.routing_buffer(self.model, batch.tokens.shape) if self.moe else None
         aux_coef = self.forward_module.aux_loss_coef if self.moe else 0.0
+        counted = batch.response_mask if loss_mask is None else loss_mask
         for mb_i, mb in enumerate(minis):
             n_tok, n_seq = int(batch.response_mask[mb].sum()), len(mb)
+            n_loss = int(counted[mb].sum())
             shares = self._shares(mb, batch)
             mine, n_micro = shares[rank], max(len(s) for s in shares)
             track = self.noise is not None and n_micro > 1
@@ -148,8 +156,9 @@ class Learner(Scorer):
                 dummy = i >= len(mine)  # this rank has no rows left: a zero-weight forward keeps FSDP in step
                 rows = mb[:1] if dummy else mine[i]
                 first = mb_i == 0 and not dummy
-                logp, ent = self._forward(batch, rows, return_entropy=True,
-                                          routing_out=routing_first if first else None)
+                out = self._forward(batch, rows, return_entropy=True, routing_out=routing_first if first else None,
+                                    teacher=self.distill[0] if self.distill else None)
+                logp, ent = out[0], out[1]
                 W = logp.shape[1]  # the micro-batch's own width: every per-token tensor is cut to it
                 m = batch.response_mask[rows, :W].to(self.device)
                 mu = batch.logp_mu[rows, :W].to(self.device)
@@ -157,8 +166,13 @@ class Learner(Scorer):
                 w = weights(old, mu, m) if callable(weights) else weights[rows, :W].to(self.device)
                 adv = batch.advantages[rows]
                 adv = adv[:, :W] if adv.dim() == 2 else adv  # per-token advantages (distillation): cut too
-                per_tok, lm = loss_fn(logp, old, mu, adv.to(self.device), w, m, **loss_kw)
-                loss = aggregate(per_tok, pol["loss_agg"], m, n_tok, n_seq, self.max_new_tokens)
+                lmask = m if loss_mask is None else loss_mask[rows, :W].to(self.device)
+                per_tok, lm = loss_fn(logp, old, mu, adv.to(self.device), w, lmask, **loss_kw)
+                if self.distill:  # the exact reverse KL of each position to the teacher's, minimised directly
+                    kl = out[2] * lmask
+                    per_tok = per_tok + self.distill[1] * w * kl
+                    lm = {**lm, "distill/reverse_kl_full": float(kl.detach().sum() / lmask.sum().clamp(min=1))}
+                loss = aggregate(per_tok, pol["loss_agg"], lmask, n_loss, n_seq, self.max_new_tokens)
                 if aux_coef:  # the router's load-balancing loss, weighted by this micro-batch's share of rows
                     aux = self.forward_module.last_aux_loss
                     loss = loss + aux_coef * aux * (len(rows) / n_seq)

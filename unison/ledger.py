@@ -14,7 +14,11 @@ own log μ and ends at the learner's log π_old, changing one thing at a time:
       -> with the learner's own routing            routing:      MoE expert choices (absent with routing replay)
       -> compiled or eager as the learner runs     compile:      Inductor's kernels on one side only (absent when
                                                                  the engine and the learner both compile, or neither)
-      -> at the current version  = log π_old       staleness:    the updates since the sample was drawn
+      -> at the current version                    staleness:    the updates since the sample was drawn
+      -> through the adapters  = log π_old         merge:        LoRA: the engine's merged weights W + (α/r)·B·A
+                                                                 against the learner's adapters beside W (absent
+                                                                 without LoRA, and with the quantization-aware
+                                                                 learner, which merges as the engine does)
 
 Adjacent log-ratios telescope, so the k1 terms ``mean(log p_prev − log p_next)`` add up exactly (to fp32
 rounding of the means) to the total ``mismatch/k1 = mean(log μ − log π_old)``. Each term is also given
@@ -41,7 +45,7 @@ from unison.compilation import sides
 from unison.errors import UnisonError
 from unison.mismatch import k1, k3
 
-TERMS = ("decode", "engine", "quantization", "truncation", "routing", "compile", "staleness")
+TERMS = ("decode", "engine", "quantization", "truncation", "routing", "compile", "staleness", "merge")
 
 #: the stale-engine rule (docs/ledger.md, measured): a decode term whose k3 exceeds this absolute level **and**
 #: this multiple of the engine term is not a kernel difference. On the tiny model the decode path differs from
@@ -64,9 +68,11 @@ class Plan:
 
 def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_support: bool, moe: bool,
          routing_replay: bool, asynchronous: bool, can_rescore: str | None, can_score_old: bool,
-         compile_differs: bool = False) -> Plan:
+         compile_differs: bool = False, lora: bool = False, can_score_merged: bool = True) -> Plan:
     """The terms of a run: ``can_rescore`` is None when the engine can re-score its samples, else why not;
-    ``compile_differs``: one of the engine and the learner runs compiled layers (unison/compilation.py)."""
+    ``compile_differs``: one of the engine and the learner runs compiled layers (unison/compilation.py); ``lora``: the
+    learner trains adapters (the engine holds them merged), ``can_score_merged``: it can score under merged weights
+    (one process)."""
     present = ["decode", "engine"]
     if quantized and not quantization_aware:
         present.append("quantization")
@@ -78,11 +84,15 @@ def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_supp
         present.append("compile")
     if asynchronous:
         present.append("staleness")
+    if lora and not quantization_aware:
+        present.append("merge")
     unmeasured = {}
     if can_rescore is not None:
         unmeasured["decode"] = can_rescore
     if asynchronous and not can_score_old:
         unmeasured["staleness"] = "the learner cannot score with older weights here (FSDP2 shards them; LoRA under the quantization-aware learner merges its own adapters)"
+    if "merge" in present and not can_score_merged:
+        unmeasured["merge"] = "the learner cannot score under merged weights here (FSDP2 shards them)"
     return Plan(present, unmeasured)
 
 
@@ -110,12 +120,22 @@ class Ledger:
         self.final_replay = learner.replay_sampling_mask
         self.final_routing = learner.routing_replay
         self.warned = False
-        self._behave: tuple[int, torch.Tensor] | None = None  # (step, the learner at the samples' versions)
+        #: (step, {term: the learner's log-probs after that term's change}) of the last :meth:`measure`
+        self._passes: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._merged_now: dict[str, torch.Tensor] | None = None  # the current weights merged, during prepare
 
-    def behave(self, step: int) -> torch.Tensor | None:
-        """The learner's log-probs under the weights that sampled (its own settings otherwise) from the last
-        :meth:`measure` of ``step``, when it computed them: the numerics/staleness split reuses them."""
-        return self._behave[1] if self._behave is not None and self._behave[0] == step else None
+    def split(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The passes the numerics/staleness split reuses from the last :meth:`measure` of ``step``, when it scored
+        them: (the learner under the weights that sampled each token, the learner under the current weights merged
+        — LoRA: the engine's form — or None where the chain goes straight from the first to π_old)."""
+        if self._passes is None or self._passes[0] != step:
+            return None
+        passes = self._passes[1]
+        if "staleness" in passes:
+            return passes["behave"], passes["staleness"] if "merge" in passes else None
+        if "merge" in passes:  # nothing stale in the batch: every token under the current weights, merged
+            return passes["premerge"], passes["premerge"]
+        return None
 
     def prepare(self, batch, step: int) -> list[tuple[str, torch.Tensor]]:
         """Every pass of the chain but its last (the trainer's own π_old), on every row of ``batch``: log μ, the
@@ -127,26 +147,34 @@ class Ledger:
         self._held = self.held_weights() if self.held_weights is not None else None  # before the update: version step
         stale = "staleness" in present and bool((batch.token_versions(step) != step).any())
         final = {"quantization": self.final_quantize, "truncation": self.final_replay,
-                 "routing": self.final_routing, "compile": getattr(self.learner, "compiled", False), "staleness": True}
+                 "routing": self.final_routing, "compile": getattr(self.learner, "compiled", False), "staleness": True,
+                 "merge": True}
         # the learner "as the engine ran": its quantizer, the sampled support and routing, compiled or not, the
         # sample's version (the current one when older weights are not kept: staleness is then part of the engine
-        # term)
+        # term), LoRA's adapters merged into the weights as the engine holds them
         state = {"quantization": "quantization" in present or self.final_quantize,
                  "truncation": "truncation" in present or self.final_replay,
                  "routing": "routing" in present or self.final_routing,
                  "compile": getattr(self.learner, "compiled", False) != ("compile" in present),
-                 "staleness": not (stale and "staleness" in measured)}
+                 "staleness": not (stale and "staleness" in measured),
+                 "merge": "merge" not in measured}
         knobs = [t for t in ("quantization", "truncation", "routing", "compile") if t in present]
         if stale and "staleness" in measured:
             knobs.append("staleness")
+        if "merge" in measured:
+            knobs.append("merge")
+            self._merged_now = dict(self.learner.export_weights())  # W + (α/r)·B·A in fp32, under the base names
         chain: list[tuple[str, torch.Tensor]] = [("mu", mu)]
         if "decode" in measured:
             chain.append(("decode", by_version(batch, self.rescore, step)))
         terms = ["engine", *knobs]
-        for term in terms[:-1]:
-            if term != "engine":
-                state[term] = final[term]
-            chain.append((term, self._learner_scores(batch, step, state)))
+        try:
+            for term in terms[:-1]:
+                if term != "engine":
+                    state[term] = final[term]
+                chain.append((term, self._learner_scores(batch, step, state)))
+        finally:
+            self._merged_now = None
         chain.append((terms[-1], None))  # every knob as the trainer has it: the trainer's own π_old
         return chain
 
@@ -161,7 +189,13 @@ class Ledger:
             chain = [(t, x if x is None else x[rows]) for t, x in chain]
         chain = chain[:-1] + [(chain[-1][0], logp_pi)]
         mask, mu = batch.response_mask, batch.logp_mu
-        self._behave = (step, chain[-2][1]) if chain[-1][0] == "staleness" else None
+        passes = {term: x for term, x in chain}
+        names = [term for term, _ in chain]
+        if "staleness" in passes:  # the learner under the weights that sampled: the pass before staleness
+            passes["behave"] = chain[names.index("staleness") - 1][1]
+        if "merge" in passes:
+            passes["premerge"] = chain[names.index("merge") - 1][1]
+        self._passes = (step, passes)
         out = {}
         for (_, prev), (term, nxt) in zip(chain, chain[1:]):
             out[f"ledger/{term}_k1"] = float(k1(nxt, prev, mask))
@@ -174,18 +208,19 @@ class Ledger:
 
     def _learner_scores(self, batch, step, state):
         """The learner's log-probs in ``state`` (quantizer on/off, support replay, routing replay; at the
-        sample's own version unless ``state["staleness"]``)."""
+        sample's own version unless ``state["staleness"]``; LoRA merged into the weights unless ``state["merge"]``)."""
         from unison.policy import compiled_as
 
         quantizer = self.quantizer.set(state["quantization"]) if self.quantizer is not None else contextlib.nullcontext()
         options = dict(replay_sampling_mask=state["truncation"], routing_replay=state["routing"])
         compiled = compiled_as(self.learner, state["compile"]) if "compile" in self.plan.present else contextlib.nullcontext()
+        now = None if state["merge"] else self._merged_now  # the current version: through the adapters, or merged
         with quantizer, compiled:
             if state["staleness"]:
-                return self.learner.score(batch, **options)
+                return self.learner.score(batch, weights=now, **options)
 
             def at(sub, u):
-                w = None if u == step else self.weights(u)
+                w = now if u == step else self.weights(u)
                 if u != step and w is None:
                     raise UnisonError(f"the ledger needs the weights of version {u}, which are not kept")
                 return self.learner.score(sub, weights=w, **options)
@@ -242,7 +277,8 @@ def build_ledger(cfg, learner, source, model_dir, rollout_dtype, exact: bool = F
              truncated=r.top_p < 1.0 or bool(r.top_k), replay_support=r.replay_sampling_mask, moe=learner.moe,
              routing_replay=learner.routing_replay, asynchronous=r.max_staleness > 0, can_rescore=why,
              can_score_old=learner.can_score_other_weights and keeps_old,
-             compile_differs=engine_compiled != learner.compiled)
+             compile_differs=engine_compiled != learner.compiled, lora=learner.peft is not None,
+             can_score_merged=not learner.sharded)
     if cfg.mismatch.ledger == "on" and p.unmeasured:
         term, reason = next(iter(p.unmeasured.items()))
         raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "

@@ -116,6 +116,90 @@ class _HeadLogp(torch.autograd.Function):
         return gh, gw, gb, None, None, None
 
 
+def _head_logp_kl(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, transform,
+                  want_entropy: bool, support: torch.Tensor | None, h_teacher: torch.Tensor, teacher,
+                  fused: bool = True):
+    """:func:`_head_logp` and the exact reverse KL of each row's next-token distribution to the teacher's,
+    KL(π(·|s) ‖ π_T(·|s)) = Σ_v π(v|s) (log π(v|s) − log π_T(v|s)) over the whole vocabulary, both at ``temperature``
+    (on-policy distillation, ``distill.estimator: full``). ``h_teacher`` [n, d_T]: the teacher's hidden states at the
+    same positions; ``teacher.log_probs(h_teacher, temperature)`` its log-softmax [n, V] (no gradient), computed
+    here so that a checkpointed chunk recomputes it in the backward instead of keeping it. The KL is always the
+    full distribution's (``support``, sampling-mask replay, renormalises log p(target) only). Returns (log p, the
+    entropy or None, KL)."""
+    with torch.no_grad():
+        logq = teacher.log_probs(h_teacher, temperature)
+    if fused and transform is None and support is None and _fused_head(h, head):
+        return _HeadKL.apply(h, head.weight, head.bias, targets, temperature, want_entropy, logq)
+    logits = head(h).float()
+    if transform is not None:
+        logits = transform(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits - lse[:, None]
+    norm = lse if support is None else support_logsumexp(logits, targets, support)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
+    p = lp.exp()
+    kl = (p * (lp - logq)).sum(-1)
+    ent = (-(p * lp).sum(-1)).detach() if want_entropy else None
+    return logp, ent, kl
+
+
+class _HeadKL(torch.autograd.Function):
+    """:class:`_HeadLogp` with the reverse KL to a fixed distribution q beside log p(target): for z = (h·Wᵀ + b)/T,
+    log p = z − logsumexp(z), KL = Σᵢ pᵢ (log pᵢ − log qᵢ). Backward, by hand (tested against autograd):
+
+        ∂KL/∂zⱼ = pⱼ (log pⱼ − log qⱼ − KL),    ∂log p(t)/∂zⱼ = δⱼₜ − pⱼ,
+
+    so g_z = (g_KL · p ⊙ (log p − log q − KL) + g_lp · (onehot(t) − p)) / T, then g_h = g_z·W, g_W = g_zᵀ·h,
+    g_b = Σ g_z. Keeps log p [n, V] (and the caller's log q) for the backward; nothing else of size V."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, targets, temperature, want_entropy, logq):
+        z = gemm.linear(h, w, b)
+        if temperature != 1.0:
+            z.div_(temperature)
+        z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # log p, in place
+        p = torch.exp(z)
+        logp = z.gather(-1, targets[:, None]).squeeze(-1)
+        kl = torch.bmm(p[:, None, :], (z - logq)[:, :, None]).view(-1)
+        ent = None
+        if want_entropy:
+            ent = -torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
+            ctx.mark_non_differentiable(ent)
+        del p
+        ctx.save_for_backward(h, w, z, logq, targets, kl)
+        ctx.temperature, ctx.has_bias = temperature, b is not None
+        return logp, ent, kl
+
+    @staticmethod
+    def backward(ctx, g_lp, _g_ent, g_kl):
+        h, w, lp, logq, targets, kl = ctx.saved_tensors
+        p = torch.exp(lp)
+        gz = torch.zeros_like(p)
+        if g_kl is not None:
+            gz = (lp - logq).sub_(kl[:, None]).mul_(p).mul_(g_kl[:, None])
+        if g_lp is not None:
+            gz.sub_(p.mul_(g_lp[:, None]))
+            gz.scatter_add_(-1, targets[:, None], g_lp[:, None])
+        if ctx.temperature != 1.0:
+            gz.div_(ctx.temperature)
+        gh = gemm.linear(gz, w.t()) if ctx.needs_input_grad[0] else None
+        gw = gemm.linear(gz.t(), h.t()) if ctx.needs_input_grad[1] else None
+        gb = gz.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gh, gw, gb, None, None, None, None
+
+
+def selected_positions(tokens: torch.Tensor, attention_mask: torch.Tensor | None,
+                       positions: torch.Tensor | None) -> torch.Tensor:
+    """[B, L − 1] bool: the positions whose next token is scored — real tokens (``attention_mask``; None: packed
+    rows, every position) marked by ``positions`` when given; hidden state t predicts token t + 1."""
+    sel = attention_mask[:, 1:].bool() if attention_mask is not None else torch.ones_like(tokens[:, 1:], dtype=torch.bool)
+    if positions is not None:
+        sel = sel & positions[:, 1:].bool()
+    return sel
+
+
 class PolicyForward(torch.nn.Module):
     """The learner's forward: ``log π(tokens[:, t] | tokens[:, <t])`` at chosen positions.
 
@@ -138,16 +222,20 @@ class PolicyForward(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None = None,
                 temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, return_entropy: bool = False,
                 cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None,
-                support: torch.Tensor | None = None):
+                support: torch.Tensor | None = None, teacher=None):
         """``attention_mask`` None with ``position_ids`` restarting at 0: several sequences packed in one
         row, attention kept within each (by one attention call per sequence with the packed attention of
         :func:`unison.models.use_packed_attention`, else by transformers' block-diagonal mask);
         ``positions`` then marks what to score. ``support`` [B, L] (aligned with ``tokens``): the size of
-        the support each token was sampled from, for sampling-mask replay (:func:`support_logsumexp`)."""
+        the support each token was sampled from, for sampling-mask replay (:func:`support_logsumexp`).
+        ``teacher`` (on-policy distillation, ``distill.estimator: full``; :meth:`unison.teacher.Teacher.kl_target`):
+        also the exact per-position reverse KL to the teacher over the vocabulary, [B, L] aligned like log π (0
+        where not scored) — returned third."""
         if cast_to is not None:  # run on parameters cast to ``cast_to`` (gradients reach the originals)
             params = {n: p.to(cast_to) for n, p in self.named_parameters()}
             return torch.func.functional_call(self, params, (tokens, attention_mask, positions, temperature,
-                                                             chunk, return_entropy, None, position_ids, support))
+                                                             chunk, return_entropy, None, position_ids, support,
+                                                             teacher))
         B, L = tokens.shape
         aux = self.aux_loss_coef > 0 and torch.is_grad_enabled()
         kwargs = {"output_router_logits": True} if aux else {}
@@ -161,32 +249,42 @@ class PolicyForward(torch.nn.Module):
             out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **kwargs)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         self.last_aux_loss = _load_balancing_loss(self.lm, out.router_logits, attention_mask) if aux else None
-        sel = attention_mask[:, 1:].bool() if attention_mask is not None else torch.ones_like(tokens[:, 1:], dtype=torch.bool)
-        if positions is not None:
-            sel = sel & positions[:, 1:].bool()
+        sel = selected_positions(tokens, attention_mask, positions)
         hs, tg = h[:, :-1][sel], tokens[:, 1:][sel]
         sup = support.to(h.device)[:, 1:][sel] if support is not None else None
+        ht = teacher.hidden(tokens, attention_mask, positions, position_ids) if teacher is not None else None
         head = self.lm.get_output_embeddings()
-        lps, ents = [], []
+        lps, ents, kls = [], [], []
         step = chunk if chunk and chunk > 0 else max(hs.shape[0], 1)
         for s in range(0, hs.shape[0], step):
             args = (hs[s:s + step], tg[s:s + step], head, temperature, self._transform, return_entropy,
-                    sup[s:s + step] if sup is not None else None, self.fused_head)
+                    sup[s:s + step] if sup is not None else None)
+            fn = _head_logp if teacher is None else _head_logp_kl
+            if teacher is not None:
+                args += (ht[s:s + step], teacher)
+            args += (self.fused_head,)
             if torch.is_grad_enabled() and hs.requires_grad and s + step < hs.shape[0]:
-                lp, en = checkpoint(_head_logp, *args, use_reentrant=False)
+                out = checkpoint(fn, *args, use_reentrant=False)
             else:
-                lp, en = _head_logp(*args)
-            lps.append(lp)
-            ents.append(en)
+                out = fn(*args)
+            lps.append(out[0])
+            ents.append(out[1])
+            if teacher is not None:
+                kls.append(out[2])
         vals = torch.cat(lps) if lps else hs.new_zeros(0, dtype=torch.float32)
         logp = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device).masked_scatter(sel, vals)
         logp = F.pad(logp, (1, 0))
-        if not return_entropy:
-            return logp, None
-        ent = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device)
-        if ents and ents[0] is not None:
-            ent = ent.masked_scatter(sel, torch.cat(ents))
-        return logp, F.pad(ent, (1, 0))
+        ent = None
+        if return_entropy:
+            ent = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device)
+            if ents and ents[0] is not None:
+                ent = ent.masked_scatter(sel, torch.cat(ents))
+            ent = F.pad(ent, (1, 0))
+        if teacher is None:
+            return logp, ent
+        kl = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device)
+        kl = F.pad(kl.masked_scatter(sel, torch.cat(kls) if kls else vals.new_zeros(0)), (1, 0))
+        return logp, ent, kl
 
 
 def _load_balancing_loss(lm, router_logits, attention_mask) -> torch.Tensor:
@@ -205,7 +303,7 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                    device: str | torch.device = "cpu", return_entropy: bool = False,
                    positions: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
                    cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None,
-                   support: torch.Tensor | None = None):
+                   support: torch.Tensor | None = None, teacher=None):
     """log π(tokens[:, t] | tokens[:, <t]) for every position, aligned with ``tokens``.
 
     ``model`` is a Hugging Face causal LM or a :class:`PolicyForward`. Position
@@ -216,7 +314,8 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     dtype for the forward instead (as FSDP2's mixed precision does). Gradients flow when called outside
     ``no_grad``. With ``return_entropy`` also returns the (detached) entropy
     of the next-token distribution at each position, aligned the same way. ``support`` [B, L]: sampling-mask replay, log π
-    renormalised over the support each token was sampled from (:func:`support_logsumexp`).
+    renormalised over the support each token was sampled from (:func:`support_logsumexp`). ``teacher``: also
+    the per-position reverse KL to it (:meth:`PolicyForward.forward`), returned last.
     """
     fwd = model if isinstance(model, PolicyForward) else PolicyForward(model)
     tokens = tokens.to(device)
@@ -226,9 +325,11 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     if position_ids is not None:
         position_ids = position_ids.to(device)
     with autocast(device, compute_dtype):
-        logp, ent = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to, position_ids,
-                        support)
-    return (logp, ent) if return_entropy else logp
+        out = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to, position_ids,
+                  support, teacher)
+    if teacher is not None:
+        return out if return_entropy else (out[0], out[2])
+    return out if return_entropy else out[0]
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -351,8 +452,11 @@ class Scorer:
         return int(batch.attention_mask[rows].sum(-1).max())
 
     def _forward(self, batch: RolloutBatch, rows: torch.Tensor, return_entropy: bool,
-                 routing_out: torch.Tensor | None = None):
-        """log π (and the entropy) of ``rows``, [rows, width] with width = :meth:`_width`."""
+                 routing_out: torch.Tensor | None = None, teacher=None):
+        """log π (and the entropy) of ``rows``, [rows, width] with width = :meth:`_width`; with ``teacher`` (the
+        full-vocabulary distillation target) also the per-position reverse KL to it, last."""
+        if teacher is not None and (self.exact is not None or self.packing):
+            raise UnisonError("distill.estimator=full runs on the padded layout: set train.packing=false and exact=false")
         if self.exact is not None:  # the engine's forward, on the engine's layout, weights cast to its dtype
             from unison.exact import learner_logprobs
 
@@ -369,7 +473,7 @@ class Scorer:
             return self._packed_forward(batch, rows, W, return_entropy)
         args = (batch.tokens[rows, :W], batch.attention_mask[rows, :W], self.temperature)
         kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.logprob_chunk,
-                  support=self._support(batch, rows, W))
+                  support=self._support(batch, rows, W), teacher=teacher)
         dt, kw["cast_to"] = self._numerics()
         if not self.moe:
             return token_logprobs(self.forward_module, *args, dt, self.device, **kw)

@@ -29,6 +29,15 @@ def _check_distill_settings(cfg: Config) -> None:
         raise UnisonError(f"distill.teacher_url scores with the server's prompt log-probs, which are the teacher's raw "
                           f"distribution (temperature 1), but rollout.temperature is {cfg.rollout.temperature:g}: set "
                           f"rollout.temperature=1 or drop distill.teacher_url (the local scoring pass applies it)")
+    if cfg.distill.estimator == "full":  # the teacher's logits over the whole vocabulary, in this process
+        why = ("a served teacher (distill.teacher_url) gives the sampled tokens' log-probs, not its logits: drop "
+               "distill.teacher_url (the local copy then scores)" if cfg.distill.teacher_url
+               else "the teacher's logits are computed in one process (not under torchrun yet): launch without "
+               "torchrun" if under_torchrun()
+               else "it scores the padded layout: set train.packing=false" if cfg.train.packing
+               else "exact mode's shared forward has no teacher: set exact=false" if cfg.exact else None)
+        if why:
+            raise UnisonError(f"distill.estimator=full cannot run here, {why}, or use distill.estimator=sampled")
     loss = resolve_policy(cfg.algo, cfg.policy)["loss"]
     if loss not in PER_TOKEN_ADVANTAGES:
         raise UnisonError(f"distill.teacher gives every token its own advantage, which policy.loss={loss} cannot take "
@@ -58,12 +67,23 @@ def check_settings(cfg: Config) -> None:
         _check_ledger_settings(cfg)
     budget = cfg.train.mismatch_budget.metric or ("mismatch/staleness_k3" if cfg.rollout.max_staleness else None)
     if cfg.train.schedule == "mismatch_budget" and budget == "mismatch/staleness_k3" and \
-            (under_torchrun() or not cfg.rollout.max_staleness or (cfg.lora.rank and cfg.train.quantization_aware)):
+            (under_torchrun() or not cfg.rollout.max_staleness or (cfg.lora.rank and cfg.train.quantization_aware)
+             or cfg.engine != "native"):
         why = ("the run is synchronous: every sample is on-policy" if not cfg.rollout.max_staleness else
+               f"its split scores with the older weights that sampled, and engine {cfg.engine} ({cfg.vllm.mode}) keeps "
+               f"none: only the native engine's worker does" if cfg.engine != "native" else
                "its split scores with older weights, which FSDP2 shards" if under_torchrun() else
                "its split scores with older merged weights, which the quantization-aware learner with LoRA does not")
         raise UnisonError(f"train.schedule=mismatch_budget watches mismatch/staleness_k3, which this run never logs "
                           f"({why}): set train.mismatch_budget.metric=mismatch/k3")
+    if cfg.lora.rank and cfg.lora.dropout:
+        from unison.algorithms.presets import resolve_policy
+
+        anchor = resolve_policy(cfg.algo, cfg.policy)["anchor"]
+        if anchor in ("bypass", "loglinear"):
+            raise UnisonError(f"policy.anchor={anchor} reads π_old and the measured mismatch from the training forward, "
+                              f"which lora.dropout={cfg.lora.dropout:g} makes a random sample: set lora.dropout=0, or "
+                              f"policy.anchor=recompute (a score pass without dropout)")
     truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k
     if truncated and cfg.rollout.replay_sampling_mask and cfg.engine != "native":
         raise UnisonError(f"rollout.replay_sampling_mask needs the support each token was sampled from, which "

@@ -473,7 +473,7 @@ def _ledger(scorer, batch, rescored, quant: str, truncated: bool, cfg: ProbeConf
     moe_run = scorer.moe and "routing" in batch.extras
     p = ledger.plan(quantized=quant != "none", quantization_aware=False, truncated=truncated, replay_support=False,
                     moe=moe_run, routing_replay=False, asynchronous=False, can_rescore=None, can_score_old=True,
-                    compile_differs=compiled[0] != compiled[1])
+                    compile_differs=compiled[0] != compiled[1], lora=scorer.peft is not None)
     led = ledger.Ledger(scorer, p, quant, cfg.quant_group_size, rescore=lambda sub, version: rescored,
                         quantizer=quantizer)
     scorer.compiled = compiled[1]

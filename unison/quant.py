@@ -146,7 +146,9 @@ class QuantizationAware:
     LoRA (PEFT): the engine samples with the merged weight W + (α/r)·B·A quantized, so an adapted
     layer computes ``F.linear(x, Q(W + (α/r)·B·A), bias)``: the base weight and the adapters are merged
     in fp32 and quantized together (QeRL instead keeps the adapters outside the quantized base; that
-    is not what this engine samples from). The gradient reaches A and B through the merge.
+    is not what this engine samples from). The gradient reaches A and B through the merge. With the adapters
+    disabled (PEFT's ``disable_adapter``, as the learner scores under merged weights of another version) the
+    layer quantizes its base weight alone.
 
     ``enabled`` switches it off and on (the mismatch ledger scores with and without the quantizer).
     """
@@ -208,8 +210,13 @@ class QuantizationAware:
             from unison import lora
 
             base = layer.base_layer
-            with torch.autocast(x.device.type, enabled=False):  # merged in fp32, as the engine merges it
-                merged = base.weight + lora.delta(layer)
+            if layer.disable_adapters or layer.merged:
+                # adapters off (PEFT's disable_adapter: the base weight holds merged weights, e.g. an older version
+                # scored as the engine holds it) or merged in place: the base weight alone is the engine's weight
+                merged = base.weight
+            else:
+                with torch.autocast(x.device.type, enabled=False):  # merged in fp32, as the engine merges it
+                    merged = base.weight + lora.delta(layer)
             q = straight_through(merged, self.fmt, 0 if conv1d else -1, self.group_size)
             return F.linear(x, q.t() if conv1d else q, base.bias)
         return forward

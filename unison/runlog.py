@@ -137,3 +137,14 @@ def console_line(m: dict, total: int, eta: float) -> str:
     if "eval/accuracy" in m:
         line += f" eval {m['eval/accuracy']:.3f}"
     return line
+
+
+def table_console(*renderables, file=None):
+    """A rich Console wide enough for ``renderables`` (tables) at their natural width: a terminal's own width when
+    they fit in it, else theirs — so a table printed to a file or a pipe (``make demo > log``, CI logs, where rich
+    assumes 80 columns) is never cut to "fin…", and one on a terminal is never squeezed below its content."""
+    from rich.console import Console
+
+    probe = Console(width=100_000, file=file)
+    need = max((probe.measure(r).maximum for r in renderables), default=0)
+    return Console(width=max(Console(file=file).width if probe.is_terminal else 0, need, 80), file=file)

@@ -207,9 +207,14 @@ class MismatchBudgetSchedule(LRSchedule):
     def observe(self, step: int, metrics: dict) -> dict:
         value = metrics.get(self.metric)
         self.state = 0
-        missing = not (isinstance(value, (int, float)) and math.isfinite(value))
+        measured = isinstance(value, (int, float)) and math.isfinite(value)
+        # a step that made no update (every group uniform: ``optim/steps`` 0) measures no mismatch: f held, and the
+        # metric is not missing
+        missing = not measured and metrics.get("optim/steps", 1) != 0
         if missing:
             self.missing_steps += 1
+        if not measured:
+            self.state = 0
         elif value > self.target:
             self.factor, self.state = max(self.factor * self.down, self.min_ratio), -1
         elif value < self.target / 2:

@@ -32,12 +32,14 @@ class Teacher:
         except UnisonError as e:
             raise UnisonError(f"distill.teacher: {e}") from None
         check_tokenizer(load_tokenizer(self.model_dir), student_tokenizer, d.teacher, cfg.model)
-        self.coef, self.task_reward = d.coef, d.task_reward
+        self.coef, self.task_reward, self.estimator = d.coef, d.task_reward, d.estimator
+        # the teacher scores its full distribution: never renormalised over the support the *student* sampled from
+        # (top-p / top-k), which would make log π_T = log q(y) − log Σ_{top-c} q and 0 where the student kept one
+        # token; a served teacher's prompt log-probs are the full distribution too, so the two paths agree
         self.scorer = Scorer(self.model_dir, compute_dtype=torch.float32, device=cfg.device,
                              temperature=cfg.rollout.temperature, dist=dist,
                              micro_batch_size=cfg.train.micro_batch_size, logprob_chunk=cfg.train.logprob_chunk,
-                             micro_batch_tokens=cfg.train.micro_batch_tokens,
-                             replay_sampling_mask=cfg.rollout.replay_sampling_mask)
+                             micro_batch_tokens=cfg.train.micro_batch_tokens, replay_sampling_mask=False)
         self.scorer.model.requires_grad_(False)
         self.temperature = cfg.rollout.temperature
         self._engine = None  # the teacher's generation path, built the first time the ledger measures it
@@ -48,6 +50,43 @@ class Teacher:
 
             self.served = VLLMServerEngine(self.model_dir, url=d.teacher_url, weight_sync="none",
                                            request_timeout_s=cfg.vllm.request_timeout_s, retries=cfg.vllm.retries)
+
+    # ------------------------------------------------------------------ the full-vocabulary target
+    def hidden(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The teacher's last hidden states [n, d_T] at the positions the student's forward scores
+        (:func:`unison.policy.selected_positions`, in the same order), in fp32 whatever the student's autocast:
+        what ``distill.estimator: full`` takes the teacher's next-token distributions from."""
+        from unison.policy import selected_positions
+
+        lm = self.scorer.model
+        kw = {"position_ids": position_ids} if position_ids is not None else {}
+        with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
+            out = lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **kw)
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return h[:, :-1][selected_positions(tokens, attention_mask, positions)]
+
+    def log_probs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
+        """log π_T(·|s) [n, V] of hidden states ``h`` from :meth:`hidden`: the teacher's output layer (and logit
+        transform, e.g. soft-capping) at ``temperature``, fp32, no gradient."""
+        from unison.models import logit_transform
+
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            z = self.scorer.model.get_output_embeddings()(h).float()
+            transform = logit_transform(self.scorer.model.config)
+            if transform is not None:
+                z = transform(z)
+            if temperature != 1.0:
+                z = z / temperature
+            return torch.log_softmax(z, dim=-1)
+
+    def check_full(self, student_vocab: int) -> None:
+        """``distill.estimator: full`` compares two distributions over one vocabulary, row for row."""
+        rows = self.scorer.model.get_output_embeddings().weight.shape[0]
+        if rows != student_vocab:
+            raise UnisonError(f"distill.estimator=full compares the next-token distributions over the vocabulary, but "
+                              f"the teacher's output layer has {rows} rows and the student's {student_vocab}: use "
+                              f"distill.estimator=sampled (the sampled token's log-probs only)")
 
     def score(self, batch) -> torch.Tensor:
         """log π_teacher of every position of ``batch`` ([B, L], 0 off the response): the served teacher's prompt
@@ -87,13 +126,14 @@ class Teacher:
         ``distill.task_reward``) and the ``distill/*`` metrics. The student term is the learner's own score:
         ``scored_old`` when the step's score pass made it, else one score pass here — never log μ, which is
         what ``batch.logp_old`` holds under ``policy.anchor: bypass``. ``measure_path``: add the ledger's
-        ``teacher`` term (:meth:`path_term`)."""
+        ``teacher`` term (:meth:`path_term`). With ``distill.estimator: full`` the reverse KL is a loss term of its
+        own (the learner's, :meth:`hidden`): the advantages are the task's alone (or 0), the metrics the same."""
         with torch.no_grad():
             teacher = self.score(batch)
             student = scored_old if scored_old is not None else learner.score(batch)
         mask = batch.response_mask
-        adv = reverse_kl_advantages(student, teacher, mask, self.coef,
-                                    batch.advantages if self.task_reward else None)
+        coef = 0.0 if self.estimator == "full" else self.coef
+        adv = reverse_kl_advantages(student, teacher, mask, coef, batch.advantages if self.task_reward else None)
         metrics = reverse_kl_metrics(student, batch.logp_mu, teacher, mask)
         if measure_path:
             metrics.update(self.path_term(batch, teacher))

@@ -131,24 +131,39 @@ class Mismatch:
 
     def _split(self, batch, rows, logp_pi, step: int) -> dict:
         """``numeric``: μ against the learner under the weights that sampled (same version, other numerics);
-        ``staleness``: those weights against π_old. log π_old − log μ is exactly the sum of the two log-ratios, so
-        k1 adds up; k3 adds up to a cross term (docs/async.md)."""
+        ``staleness``: those weights against the current ones; with LoRA, ``merge``: the current weights merged as the
+        engine holds them against the learner's adapters (π_old) — the engine samples merged weights of every version
+        and the learner scores the current one through its adapters, a difference of rounding, not of age. The
+        log-ratios add up to log π_old − log μ, so k1 adds up exactly; k3 up to cross terms (docs/async.md)."""
         if not self.split_every or (step + 1) % self.split_every:
             return {}
-        mu, mask = batch.logp_mu[rows], batch.response_mask[rows]
-        behave = self.ledger.behave(step) if self.ledger is not None else None  # the ledger scored them already
-        if behave is None:  # each token under the weights that sampled it (π_old's own where that is this step's)
+        mu, mask, pi = batch.logp_mu[rows], batch.response_mask[rows], logp_pi[rows]
+        lora = getattr(self.learner, "peft", None) is not None and getattr(self.learner, "qat", None) is None \
+            and self.learner.can_score_other_weights  # (sharded: no merged pass; the merge stays in the numerics)
+        reused = self.ledger.split(step) if self.ledger is not None else None  # the ledger scored them already
+        if reused is not None and (reused[1] is not None or not lora):
+            behave, now = reused
+        else:  # each token under the weights that sampled it (π_old's own where that is this step's, but for LoRA)
             sub = batch.select(rows)
-            weights = {u: self.source.weights(u) if self.learner.can_score_other_weights else None
-                       for u in set(sub.token_versions(step).unique().tolist()) - {step}}
+            older = set(sub.token_versions(step).unique().tolist()) - {step}
+            if older and not self.learner.can_score_other_weights:
+                return {}
+            weights = {u: self.source.weights(u) for u in older}
             if any(w is None for w in weights.values()):
                 return {}
+            merged = dict(self.learner.export_weights()) if lora else None
+            weights[step] = merged
+            now = self.learner.score(sub, weights=merged) if lora else None
             behave = by_version(sub, lambda part, u: self.learner.score(part, weights=weights[u]), step,
-                                out=logp_pi[rows].clone(), skip={step})
-        return {"mismatch/numeric_k3": float(k3(behave, mu, mask)),
-                "mismatch/staleness_k3": float(k3(logp_pi[rows], behave, mask)),
-                "mismatch/numeric_k1": float(k1(behave, mu, mask)),
-                "mismatch/staleness_k1": float(k1(logp_pi[rows], behave, mask))}
+                                out=(pi if now is None else now).clone(), skip={step})
+        at_now = pi if now is None else now
+        out = {"mismatch/numeric_k3": float(k3(behave, mu, mask)),
+               "mismatch/staleness_k3": float(k3(at_now, behave, mask)),
+               "mismatch/numeric_k1": float(k1(behave, mu, mask)),
+               "mismatch/staleness_k1": float(k1(at_now, behave, mask))}
+        if now is not None:
+            out.update({"mismatch/merge_k3": float(k3(pi, now, mask)), "mismatch/merge_k1": float(k1(pi, now, mask))})
+        return out
 
 
 class Watchdogs:

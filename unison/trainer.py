@@ -36,7 +36,7 @@ import torch
 from unison import compilation, preflight, runtime
 from unison.algorithms.advantages import ADVANTAGES
 from unison.algorithms.anchors import OldLogp, plan
-from unison.algorithms.corrections import BATCH_LEVEL, CORRECTIONS
+from unison.algorithms.corrections import BATCH_LEVEL, CORRECTIONS, LOSS_MASKS
 from unison.algorithms.presets import correction_kwargs, resolve_policy
 from unison.batch import collate
 from unison.checkpoint import Checkpointer, SignalStop, resumed_choice
@@ -126,6 +126,9 @@ class Trainer:
             from unison.teacher import Teacher
 
             self.teacher = Teacher(cfg, self.tokenizer, self.dist)
+            if cfg.distill.estimator == "full":  # the learner's loss takes the teacher's whole distribution
+                self.teacher.check_full(self.learner.model.get_output_embeddings().weight.shape[0])
+                self.learner.distill = (self.teacher, cfg.distill.coef)
         self.source = make_source(cfg, partial(self._make_engine, model_dir), self.task, self.reward,
                                   self.tokenizer, self.prompt_ids, self.dist, self.learner, model_dir,
                                   self.prec.rollout_dtype)
@@ -140,8 +143,12 @@ class Trainer:
         self.ledger = build_ledger(cfg, self.learner, self.source, model_dir, self.prec.rollout_dtype, exact=cfg.exact)
         # ---- the algorithm
         self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass,
-                           batch_level=self.policy["correction"] in BATCH_LEVEL)
+                           batch_level=self.policy["correction"] in BATCH_LEVEL,
+                           dropout=bool(cfg.lora.rank and cfg.lora.dropout))
         self.correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
+        #: a correction that drops tokens from the loss (M2PO): under a token mean they leave its normaliser too
+        masks = LOSS_MASKS.get(self.policy["correction"]) if self.policy["loss_agg"] == "token_mean" else None
+        self.loss_mask = partial(masks, **correction_kwargs(self.policy)) if masks else None
         self.schedule = make_schedule(cfg.train, asynchronous=cfg.rollout.max_staleness > 0)
         self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         # ---- what the run measures, watches and keeps
@@ -196,8 +203,11 @@ class Trainer:
                 batch.advantages, dmetrics = self.teacher.advantages(batch, self.learner, scored,
                                                                      measure_path=self.mismatch.ledger_due(step))
             metrics.update({**dmetrics, "time/teacher_s": t["time/teacher_s"]})
+        loss_mask = None
         if batch.logp_old is not None:                                 # 4. correction weights, once
             weights, cmetrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)
+            if self.loss_mask is not None:                             #    (M2PO + token mean: the kept tokens)
+                loss_mask = self.loss_mask(batch.logp_old, batch.logp_mu, batch.response_mask)
         else:                                                          #    or per micro-batch of π_old
             weights, cmetrics = (lambda o, mu, m: self.correct(o, mu, m)[0]), {}
         lr = self.schedule.lr(step + 1)
@@ -205,7 +215,8 @@ class Trainer:
             chain = self.ledger.prepare(batch, step) if self.mismatch.ledger_due(step) else None
         self.source.sleep()
         with timed("time/update_s", t):
-            stats = self.learner.train(batch, old, weights, lr, seed=step_seed(cfg.seed, step) + 1)  # 5.
+            stats = self.learner.train(batch, old, weights, lr, seed=step_seed(cfg.seed, step) + 1,  # 5.
+                                       loss_mask=loss_mask)
         with timed("time/telemetry_s", t):                             # 7. (before 6: it may score with the
             metrics.update(self.mismatch.measure(batch, stats, cmetrics, step, chain, t["time/ledger_s"], routing))
             metrics.update(batch_metrics(batch, step))                 #    weights 6 overwrites)
@@ -246,7 +257,7 @@ class Trainer:
             "no episode got to a model turn" if roll.episodes and not roll.dropped_groups else \
             "every group had uniform rewards"
         self.log(f"[train] step {metrics['step']}: {why}; no update")
-        metrics["reward/trained_mean"] = float("nan")
+        metrics["reward/trained_mean"], metrics["optim/steps"] = float("nan"), 0
         self.watch.signal(metrics, None)
         # the weights did not change, but they are version step + 1 now: an engine running ahead waits for it
         metrics.update(self.source.publish(self.learner, metrics["step"]))

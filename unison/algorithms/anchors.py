@@ -49,22 +49,26 @@ def loglinear_logp(logp_theta: torch.Tensor, logp_mu: torch.Tensor, alpha: torch
     return logp_mu + a * (logp_theta.detach() - logp_mu)
 
 
-def plan(anchor: str, mini_batches: int, fuse_score_pass: bool, batch_level: bool = False) -> str:
+def plan(anchor: str, mini_batches: int, fuse_score_pass: bool, batch_level: bool = False,
+         dropout: bool = False) -> str:
     """What the step does for π_old: ``score`` (a separate score pass), ``fused`` (the training
     forward's own detached log-probs), ``bypass`` (log μ) or ``loglinear``. A ``batch_level`` correction
     (M2PO: one token's weight depends on every token of the batch) needs the whole batch's π_old before the
-    update: never fused (a fused π_old exists one micro-batch at a time)."""
+    update: never fused (a fused π_old exists one micro-batch at a time). ``dropout``: the training forward
+    samples a dropout mask (LoRA dropout), so its log-probs are not π_old: never fused either (the score pass runs
+    without dropout)."""
     if anchor == "bypass":
         return "bypass"
     if anchor == "loglinear":
         return "loglinear"
-    return "fused" if (fuse_score_pass and mini_batches == 1 and not batch_level) else "score"
+    return "fused" if (fuse_score_pass and mini_batches == 1 and not batch_level and not dropout) else "score"
 
 
 class OldLogp:
     """log π_old for a micro-batch, as the plan says: the stored tensor (``score``, ``bypass``) or
     one computed from the training forward's detached log-probs (``fused``, ``loglinear``; ``v_behave``:
-    the batch's per-token versions, [B, L])."""
+    the batch's per-token versions, [B, L], or one per response, [B]). A micro-batch's tensors are as wide as its
+    longest row (``train.micro_batch_tokens``), which may be narrower than the batch: the versions are cut to it."""
 
     def __init__(self, kind: str, stored: torch.Tensor | None = None, v_behave: torch.Tensor | None = None,
                  step: int = 0, mini_batches: int = 1):
@@ -76,5 +80,8 @@ class OldLogp:
             return self.stored[rows].to(logp.device)
         if self.kind == "fused":
             return logp.detach()
-        alpha = loglinear_alpha(self.v_behave[rows], float(self.step), self.step + mb_index / self.m)
+        v = self.v_behave[rows]
+        if v.dim() == 2:  # per-token versions over the batch's width: cut to the micro-batch's own (its longest row)
+            v = v[:, :logp.shape[1]]
+        alpha = loglinear_alpha(v, float(self.step), self.step + mb_index / self.m)
         return loglinear_logp(logp, logp_mu, alpha.to(logp.device))

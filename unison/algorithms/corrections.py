@@ -185,6 +185,12 @@ def m2po_mask(logp_old, logp_mu, mask, c: float = 0.04, **_):
         "correction/m2_masked_fraction": float(((keep == 0) & m.bool()).sum() / n)})
 
 
+def m2_loss_mask(logp_old, logp_mu, mask, c: float = 0.04, **_) -> torch.Tensor:
+    """The tokens M2PO keeps (:func:`_m2_keep`, τ = ``c``) as a loss mask [B, L]: AReaL multiplies its loss mask by
+    M2PO's, so its token mean divides by the kept tokens only (a token the behaviour cap masks stays in it)."""
+    return _m2_keep(logp_old, logp_mu, mask.float(), c)[0]
+
+
 def _frac_dropped(w_seq: torch.Tensor, m: torch.Tensor) -> float:
     has = m.sum(-1) > 0
     return float((w_seq[has] == 0).float().mean()) if bool(has.any()) else 0.0
@@ -196,3 +202,7 @@ TOKEN_LEVEL = {"token_tis", "token_mis", "m2po", "m2po_mask"}
 #: corrections whose weight of one token depends on every token of the batch (M2PO's mask is over the batch's
 #: second moment): computed once from the whole batch's π_old (a score pass), never per micro-batch
 BATCH_LEVEL = {"m2po", "m2po_mask"}
+#: corrections that drop tokens from the loss itself, not only from its weights: with ``loss_agg: token_mean`` the
+#: normaliser counts the tokens left (AReaL's token mean over M2PO's mask); other aggregations are per response or
+#: constant and do not change
+LOSS_MASKS = {"m2po": m2_loss_mask, "m2po_mask": m2_loss_mask}

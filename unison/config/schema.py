@@ -381,7 +381,8 @@ class LoRAConfig(_Section):
     rank: int = Field(0, ge=0)
     #: scaling numerator: the update is (alpha / rank)·B·A (Paper A: 2)
     alpha: float = Field(16.0, gt=0)
-    #: dropout on the adapter input, in training forwards only (0 keeps π_θ = π_old exactly)
+    #: dropout on the adapter input, in training forwards only (0 keeps π_θ = π_old exactly); with it π_old comes
+    #: from a score pass without dropout, and the anchors that read the training forward (bypass, loglinear) refuse
     dropout: float = Field(0.0, ge=0, lt=1)
     #: module names to adapt (suffixes, e.g. [q_proj, v_proj]) or "all-linear"
     target_modules: list[str] | str = "all-linear"
@@ -415,8 +416,16 @@ class DistillConfig(_Section):
     #: the teacher: any model unison loads (a local HF directory, a .gguf file, builtin:NAME) with the
     #: student's tokenizer; None: no distillation
     teacher: str | None = None
-    #: weight of the reverse-KL advantage
+    #: weight of the reverse-KL advantage (sampled) or of the reverse-KL loss term (full)
     coef: float = Field(1.0, ge=0)
+    #: how the reverse KL KL(π ‖ π_T) enters the update: ``sampled`` — the per-token advantage −coef·(log π_old −
+    #: log π_T) of the sampled token, through the policy loss (the recipe of Thinking Machines' on-policy
+    #: distillation and verl/TRL); ``full`` — the exact per-position KL over the whole vocabulary, Σ_v π(v|s)(log π(v|s)
+    #: − log π_T(v|s)), against the teacher's logits, minimised directly (coef · w_t · KL_t per response token, w_t the
+    #: correction's weight; chunked over positions as the log-probs are). ``full`` needs the teacher in this process
+    #: (no distill.teacher_url, no torchrun), the padded layout (no train.packing, no exact) and the student's
+    #: vocabulary size
+    estimator: Literal["sampled", "full"] = "sampled"
     #: add the task's advantage (its reward, group-baselined) to every token's, or train on the teacher alone
     task_reward: bool = False
     #: a vLLM server serving the teacher (`vllm serve TEACHER`, e.g. http://localhost:8001): the teacher's token
