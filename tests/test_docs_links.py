@@ -123,3 +123,26 @@ def test_the_checker_finds_a_broken_file_a_broken_anchor_and_skips_code_and_the_
     assert slug("`unison probe` — measure the mismatch offline") == "unison-probe--measure-the-mismatch-offline"
     assert slug("Which log π is π_old (`policy.anchor`)") == "which-log-π-is-π_old-policyanchor"
     assert slug("On a GPU: `scripts/gpu_smoke.sh`") == "on-a-gpu-scriptsgpu_smokesh"
+
+
+def test_every_page_under_docs_is_in_the_sites_nav():
+    """`make docs` builds with --strict, where a page outside mkdocs.yml's nav is a warning that fails the build
+    (it did: experiments/distillation.md and experiments/smollm2.md; issue 57)."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+
+    def pages(node):
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, list):
+            for x in node:
+                yield from pages(x)
+        elif isinstance(node, dict):
+            for x in node.values():
+                yield from pages(x)
+
+    listed = set(pages(nav))
+    on_disk = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    assert on_disk - listed == set(), f"pages not in mkdocs.yml's nav: {sorted(on_disk - listed)}"
+    assert listed - on_disk == set(), f"nav entries with no page: {sorted(listed - on_disk)}"
