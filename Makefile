@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed test-compile bench docs clean
+.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed test-compile test-faults lint bench docs clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ probe: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff (configured in pyproject.toml): pyflakes, pycodestyle, bugbear, pyupgrade over the whole tree
+lint: install
+	$(VENV)/bin/ruff check .
 
 test-distributed: install
 	$(PY) -m pytest -q -m distributed

@@ -76,7 +76,6 @@ def main() -> None:
     import torch
 
     from unison.models import resolve_model_dir
-    from unison.probe import encode_prompts, load_prompts
     from unison.rollout import SamplingParams, make_engine
     from unison.tasks import make_task
     from unison.config import TaskConfig

@@ -367,7 +367,7 @@ def test_staleness_counts_each_token_from_the_version_that_sampled_it():
     """Two responses at step 5: one wholly sampled by version 3, one whose first token version 3 sampled and the
     next two version 4 (a sync reached it mid-way). Per token the staleness is 2, 2 | 2, 1, 1: mean 8/5, max 2;
     half the responses span a sync. The batch keeps each token's version, the row its first."""
-    from unison.batch import Completion, collate
+    from unison.batch import Completion
     from unison.telemetry import batch_metrics
 
     comps = [Completion([1, 2], [3, 4], [-0.1, -0.2], "stop", version=3),

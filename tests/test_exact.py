@@ -133,7 +133,6 @@ def test_collate_in_the_exact_layout_by_hand():
 
 # ------------------------------------------------------------------ by construction (issue 21)
 def _engine_and_learner(tiny_dir, dtype=torch.float32, ops=None):
-    from unison.exact import ExactOps
 
     engine = make_engine("native", tiny_dir, dtype, exact=True, prompt_width=WIDTH)
     learner = Learner(tiny_dir, compute_dtype=dtype, exact=True)

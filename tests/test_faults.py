@@ -1,7 +1,6 @@
 """Faults during a run (issue 13): damaged checkpoints, torn metrics, failing rewards, kills at
 any point, and accounting that tells the truth (mini-batch count, what reward/mean averages)."""
 
-import json
 import os
 import subprocess
 import sys

@@ -217,7 +217,7 @@ def test_adamw_is_fused_for_plain_parameters_and_steps_as_the_loop_does():
     fused = optim.adamw(params, lr=1e-2, weight_decay=0.1)
     loop = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
     assert fused.defaults["fused"] is True
-    for i in range(3):
+    for _i in range(3):
         grads = [torch.randn(p.shape, generator=g) for p in params]
         for p, q, gr in zip(params, ref, grads):
             p.grad, q.grad = gr.clone(), gr.clone()

@@ -146,7 +146,7 @@ class RolloutBatch:
         hi = torch.where(m, self.token_version, torch.iinfo(torch.int64).min).amax(dim=1)
         return hi > self.version
 
-    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
+    def select(self, idx: torch.Tensor | list[int]) -> RolloutBatch:
         """Rows ``idx`` of every per-row tensor (for mini-batches)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
         out = {}

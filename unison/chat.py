@@ -377,7 +377,7 @@ class ChatTemplate:
         malformed."""
         return FORMATS[self.format](text) if self.format else None
 
-    def prepare(self) -> "ChatTemplate":
+    def prepare(self) -> ChatTemplate:
         """Start-up checks: the tool-call format (with tools), prefix preservation."""
         if self.tools:
             self.format = self.detect_format()

@@ -425,13 +425,13 @@ def _check_ops(ops: ExactOps, shapes: dict, dtype: torch.dtype, gen: torch.Gener
         w, x = rnd(n_out, n_in) * n_in ** -0.5, rnd(9 * R + 5, n_in)  # ten blocks in one call
         b = rnd(n_out) if bias else None
         whole = ops.linear(x, w, b)
-        if not _roll_equal(lambda t: ops.linear(t, w, b), x[:R], shifts) or \
+        if not _roll_equal(lambda t, w=w, b=b: ops.linear(t, w, b), x[:R], shifts) or \
                 not torch.equal(ops.linear(x[R + 3:R + 4], w, b), whole[R + 3:R + 4]) or \
                 not torch.equal(ops.linear(x[:7], w, b), whole[:7]):
             return f"matmul{' with bias' if bias else ''}, {name}, [{R}, {n_in}] x [{n_in}, {n_out}]"
     for H in shapes["rms_norm"]:
         g = rnd(H)
-        if not _roll_equal(lambda t: rms_norm(t, g, 1e-6), rnd(R, H), shifts):
+        if not _roll_equal(lambda t, g=g: rms_norm(t, g, 1e-6), rnd(R, H), shifts):
             return f"RMSNorm, {name}, [{R}, {H}]"
     nh, nkv, hd, K = shapes["attention"]
     q, k, v = rnd(3, nh, 2 * Ra + 1, hd), rnd(3, nkv, K, hd), rnd(3, nkv, K, hd)

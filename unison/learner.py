@@ -64,7 +64,7 @@ class Learner(Scorer):
 
     @classmethod
     def from_config(cls, cfg, model_dir: str | Path, dist: Dist | None = None, prec: Precision | None = None,
-                    policy: dict | None = None, compile: bool = False) -> "Learner":
+                    policy: dict | None = None, compile: bool = False) -> Learner:
         """A learner ready to train: the config's precision, optimizer, loss scaler and policy (``prec`` and
         ``policy`` as the caller resolved them; resolved here when not given); ``compile``: its decoder layers
         compiled (unison/compilation.py, as the run decided)."""

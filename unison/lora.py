@@ -74,7 +74,7 @@ def base_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """An adapted layer's base weight (and bias) under the base model's names: where a merged tensor of
     :func:`merged_weights` goes when the learner scores with the adapters off."""
     out = {}
-    for name, t, m in _exported(model):
+    for name, _t, m in _exported(model):
         if m is not None:
             out[name] = m.base_layer.weight
             if m.base_layer.bias is not None:

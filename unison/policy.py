@@ -294,7 +294,7 @@ def _load_balancing_loss(lm, router_logits, attention_mask) -> torch.Tensor:
 
     fn = sys.modules[type(lm).__module__].load_balancing_loss_func
     cfg = lm.config
-    n_exp = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+    n_exp = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     return fn(router_logits, n_exp, cfg.num_experts_per_tok, attention_mask)
 
 

@@ -41,7 +41,7 @@ class Precision:
 
     @classmethod
     def resolve(cls, precision: str = "fp32", rollout: str | None = None,
-                learner: str | None = None) -> "Precision":
+                learner: str | None = None) -> Precision:
         base = parse_precision(precision)
         return cls(rollout=parse_precision(rollout or base), learner=parse_precision(learner or base))
 

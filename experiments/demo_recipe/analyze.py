@@ -205,7 +205,7 @@ def main(root: Path, docs: Path) -> Path:
         fig, ax = plt.subplots(figsize=(7, 4))
         c = cands[pick]
         for kind, color in (("clean", "tab:green"), ("int4", "tab:red"), ("qat", "tab:blue")):
-            for i, (s, rows) in enumerate(sorted(c[kind].items())):
+            for i, (_s, rows) in enumerate(sorted(c[kind].items())):
                 ys = [r["reward/mean"] for r in rows if "reward/mean" in r]
                 ax.plot(range(1, len(ys) + 1), ys, color=color, alpha=0.5, lw=1,
                         label={"clean": "clean", "int4": "broken", "qat": "cure"}[kind] if i == 0 else None)

@@ -131,7 +131,7 @@ def main() -> None:
     panels = {}
     for q in ("none", "fp8", "int4"):
         by = {}
-        for (qq, a, s), v in sorted(grid.items()):
+        for (qq, a, _s), v in sorted(grid.items()):
             if qq == q:
                 by.setdefault(a, []).append(v)
         if by:
@@ -140,7 +140,7 @@ def main() -> None:
         curves(panels, img / "grid.png", "Paper A's algorithms under quantized rollout (3 seeds; thin: each seed)")
         lines += ["![grid](quantized_rollout/grid.png)", ""]
     lr = {"int4 / grpo (constant LR)": [v for (q, a, s), v in grid.items() if q == "int4" and a == "grpo"]}
-    for (q, a, s), v in surge.items():
+    for (_q, a, _s), v in surge.items():
         lr.setdefault(f"int4 / {a}", []).append(v)
     lr["none / grpo (constant LR)"] = [v for (q, a, s), v in grid.items() if q == "none" and a == "grpo"]
     if any(lr.values()):

@@ -65,7 +65,7 @@ def main() -> None:
                 rows.append({"arm": arm, "seed": int(s), "engine": q, "acc": accuracy(model, cfg, q, a.k)})
                 print(json.dumps(rows[-1]), flush=True)
     (a.root / "deploy_gap.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n| checkpoint | fp32 sampling (π) | int4 sampling (μ) |\n| --- | --- | --- |")
+    print("\n| checkpoint | fp32 sampling (π) | int4 sampling (μ) |\n| --- | --- | --- |")
     for arm in ["SFT start"] + ARMS:
         cell = []
         for q in ("none", "int4"):

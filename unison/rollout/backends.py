@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 
+import torch
 
 from unison.errors import UnisonError
 from unison.rollout.sync import weight_update

@@ -14,7 +14,8 @@ exactly what one process produces for all of them (given equal logits).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -44,9 +45,9 @@ class RolloutEngine(Protocol):
     dp_size: int
     weight_dtype: torch.dtype | None
 
-    def generate(self, prompts: list[list[int]], params: "SamplingParams") -> list: ...
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list: ...
 
-    def sync_weights(self, update: "WeightUpdate") -> dict[str, float]: ...
+    def sync_weights(self, update: WeightUpdate) -> dict[str, float]: ...
 
     def sleep(self) -> None: ...
 

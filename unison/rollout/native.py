@@ -340,7 +340,7 @@ class _FastBackend(_CacheBackend):
     """The fused path (Llama, Mistral, Qwen2, Qwen3): our own attention over a preallocated
     KV cache in the engine's dtype; q/k/v and gate/up are one matmul each."""
 
-    def __init__(self, eng: "NativeEngine", B: int, P: int, T: int):
+    def __init__(self, eng: NativeEngine, B: int, P: int, T: int):
         self.eng, self.P = eng, P
         cfg = eng.config
         attn = eng.model.model.layers[0].self_attn
@@ -393,7 +393,7 @@ class _ExactBackend(_CacheBackend):
     """Exact mode: the forward shared with the learner (``unison.exact``) over a cache of the
     layout's full length K = prompt width + max tokens, every step attending over all K slots."""
 
-    def __init__(self, eng: "NativeEngine", B: int, P: int, T: int):
+    def __init__(self, eng: NativeEngine, B: int, P: int, T: int):
         self.fwd, self.P, self.K = eng.exact, P, P + T
         self.w = self.fwd.weights(eng.dtype)
         shape = (B, self.fwd.n_kv, self.K, self.fwd.head_dim)
@@ -421,7 +421,7 @@ class _GenericBackend:
     its config (sliding-window layers keep their window), the full-history attention mask and
     position ids of the left-padded batch; logit soft-capping and scaling are the model's own."""
 
-    def __init__(self, eng: "NativeEngine", B: int, P: int, T: int):
+    def __init__(self, eng: NativeEngine, B: int, P: int, T: int):
         from transformers import DynamicCache
 
         self.eng = eng

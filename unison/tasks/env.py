@@ -115,7 +115,7 @@ class _Runtime:
         self.env_name = getattr(self.env_cls, "__name__", spec.env)
 
     @classmethod
-    def get(cls, spec: EpisodeSpec) -> "_Runtime":
+    def get(cls, spec: EpisodeSpec) -> _Runtime:
         if spec not in _RUNTIMES:
             _RUNTIMES[spec] = cls(spec)
         return _RUNTIMES[spec]
@@ -397,8 +397,8 @@ class EnvTask(Task):
         self.tool_schemas = [tool_schema(f) for f in (getattr(probe, "tools", None) or ())]
         if items is None:
             if not cfg.path:
-                raise UnisonError(f"task.name is 'env' but task.path is not set: point it at a JSONL file of the "
-                                  f"items your environment's reset(item) takes")
+                raise UnisonError("task.name is 'env' but task.path is not set: point it at a JSONL file of the "
+                                  "items your environment's reset(item) takes")
             items = _rows(cfg.path)
             if cfg.eval_path:
                 self.train, self.eval = items, _rows(cfg.eval_path)
