@@ -23,6 +23,8 @@ from unison.learner import Learner
 from unison.models import resolve_model_dir
 from unison.precision import DTYPES
 from unison.rollout import SamplingParams, make_engine
+from unison.sides import Side
+from unison.policy import ScoringOptions
 
 from rollout_throughput import best_of  # noqa: E402 - a sibling script (python benchmarks/exact_cost.py)
 
@@ -56,12 +58,12 @@ def main() -> None:
         tok = today.tokenizer
         prompts = [tok(TEXTS[i % len(TEXTS)])["input_ids"] for i in range(args.batch // 4)]
         width = max(len(p) for p in prompts)
-        exact = make_engine("native", model_dir, dt, exact=True, prompt_width=width)
+        exact = make_engine("native", model_dir, Side(dtype=dt, exact=True), prompt_width=width)
         params = SamplingParams(n=4, max_tokens=args.tokens, seed=0, ignore_eos=True)
         n_tok = len(prompts) * 4 * args.tokens
         comps = today.generate(prompts, params)
-        l_today = Learner(model_dir, compute_dtype=dt, micro_batch_size=args.batch)
-        l_exact = Learner(model_dir, compute_dtype=dt, exact=True, micro_batch_size=args.batch)
+        l_today = Learner(model_dir, Side(dtype=dt), ScoringOptions(micro_batch_size=args.batch))
+        l_exact = Learner(model_dir, Side(dtype=dt, exact=True), ScoringOptions(micro_batch_size=args.batch))
         b_today = collate(comps, today.pad_id)
         b_exact = collate(comps, today.pad_id, layout=(width, width + args.tokens))
         for b in blocks:

@@ -22,7 +22,7 @@ import sys
 CHILD = r"""
 import json, sys, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from unison.policy import token_logprobs
+from unison.logprobs import token_logprobs
 
 variant, mode, T, V, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 torch.manual_seed(0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def cpu_model() -> str:
-    """The CPU's name, for every benchmark's JSON line (unison.runtime.cpu_name: the one the package keeps its
+    """The CPU's name, for every benchmark's JSON line (unison.threads.cpu_name: the one the package keeps its
     per-machine measurements under)."""
-    from unison.runtime import cpu_name
+    from unison.threads import cpu_name
 
     return cpu_name()

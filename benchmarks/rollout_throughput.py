@@ -49,6 +49,7 @@ from unison import gemm, runtime
 from unison.models import load_model, resolve_model_dir
 from unison.precision import DTYPES
 from unison.rollout import SamplingParams, make_engine
+from unison.sides import Side
 
 
 def best_of(fn, repeats: int) -> float:
@@ -219,7 +220,7 @@ def main() -> None:
         if args.compile:  # the engine on the faster library, its layers compiled
             gemm.use(lib_native)
             t0 = time.perf_counter()
-            ce = make_engine("native", model_dir, dtype, compile=True, decode_rows=args.batch)
+            ce = make_engine("native", model_dir, Side(dtype=dtype, compiled=True), decode_rows=args.batch)
             ce.generate(prompts[:2], SamplingParams(max_tokens=4))
             compile_s = time.perf_counter() - t0
             t_c = best_of(lambda: ce.generate(prompts, params), args.repeats)

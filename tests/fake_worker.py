@@ -51,16 +51,16 @@ _SPEC: FakeSpec | None = None
 def spec(**kw) -> FakeSpec:
     import torch
 
-    base = dict(model_dir="-", dtype=torch.float32, device="cpu", quantization="none", quant_group_size=64,
-                threads=1, dp_rank=0, dp_size=1)
+    from unison.sides import Side
+
+    base = dict(model_dir="-", side=Side(dtype=torch.float32), device="cpu", threads=1, dp_rank=0, dp_size=1)
     return FakeSpec(**{**base, **kw})
 
 
 class FakeEngine:
     pad_id, eos_ids = 0, [1]
 
-    def __init__(self, model_dir, dtype=None, device="cpu", quantization="none", quant_group_size=64,
-                 compile=False):
+    def __init__(self, model_dir, side=None, device="cpu"):
         self.kernels = types.SimpleNamespace(compile_s=0.0)  # the native engine's: nothing compiled here
         self.seen: list[float] = []  # the first value of each weight tensor the last load read
         self.calls = 0

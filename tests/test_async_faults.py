@@ -24,7 +24,7 @@ from unison.errors import UnisonError
 from unison.rollout import SamplingParams
 from unison.rollout.worker import EngineWorker
 from unison.trainer import Trainer
-from unison.rollout.sync import weight_update
+from unison.sync import weight_update, weights_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -231,7 +231,9 @@ MOE = textwrap.dedent("""
     shapes = [(n, tuple(t.shape)) for n, t in Learner(model).export_weights(None)]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # the worker inherits it
-    w = EngineWorker(WorkerSpec(str(model), torch.float32, "cpu", "none", 64, 1, 0, 1), shapes, slots=2)
+    from unison.sides import Side
+
+    w = EngineWorker(WorkerSpec(str(model), Side(), "cpu", 1, 0, 1), shapes, slots=2)
     w.publish(0, Learner(model).export_weights(None))
     w.submit(1, [[1, 5, 6, 7]] * 4, SamplingParams(n=80, max_tokens=3, seed=1), 0)
     box = {}
@@ -545,7 +547,7 @@ def test_2_a_reload_that_fails_in_flight_returns_none_of_the_requests_it_spanned
         b.submit(1, [[1, 5, 6]], SamplingParams(n=2, max_tokens=4), None)
         assert stub.event("generating").wait(60)
         _release_on(stub, "pause:abort", hold)
-        b.publish(learner, 1)
+        b.publish(weights_of(learner), 1)
         with pytest.raises(UnisonError, match="failed the weight reload"):
             b.collect(1)
         b.close()
@@ -558,7 +560,7 @@ def test_8_closing_during_a_slow_reload_leaves_the_server_resumed(tmp_path, lear
     with _stub(_tiny(), hold_reloads=hold) as stub:
         eng = _server(stub.url, tmp_path)
         b = ServerBackend(eng, load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"]))
-        b.publish(learner, 1)
+        b.publish(weights_of(learner), 1)
         assert stub.event("reload").wait(60)  # the reload is under way, held until released
         assert stub.paused
         threading.Timer(0.5, hold.set).start()  # it ends while close() waits (or before: the outcome is the same)
@@ -573,11 +575,11 @@ def test_10_server_drop_keeps_only_the_newest_pending_sync(tmp_path, learner):
     with _stub(_tiny(), hold_reloads=hold) as stub:
         eng = _server(stub.url, tmp_path)
         b = ServerBackend(eng, load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"]))
-        b.publish(learner, 1)
+        b.publish(weights_of(learner), 1)
         assert stub.event("reload").wait(60)  # version 1's reload is under way (held): 19 more steps end meanwhile
         pending = []
         for v in range(2, 21):
-            b.publish(learner, v)
+            b.publish(weights_of(learner), v)
             pending.append(len(b._sync_q))
         hold.set()
         deadline = time.monotonic() + 60

@@ -17,6 +17,7 @@ from unison.batch import Completion, collate
 from unison.config import load_config
 from unison.errors import UnisonError
 from unison.models import resolve_model_dir
+from unison.sides import Side
 
 needs_onednn = pytest.mark.skipif(not gemm.onednn_available(), reason="this torch has no oneDNN")
 SHAPE = compilation.RunShape(steps=30, rows=32, new_tokens=128, prompt_tokens=30, micro_batches=6, micro_tokens=512)
@@ -125,48 +126,46 @@ COMPILED = [-1.15, -2.1]  # the learner compiled
 
 
 class _Learner:
-    qat, moe, routing_replay, replay_sampling_mask = None, False, False, False
+    """Answers score() by whether it computes compiled now (its side), as a learner would."""
+
+    moe, peft, sharded = False, None, False
 
     def __init__(self, compiled):
-        self.compiled, self.now_compiled = compiled, compiled
+        self.side = Side(compiled=compiled)
 
-    def score(self, batch, weights=None, *, replay_sampling_mask=None, routing_replay=None):
+    @contextlib.contextmanager
+    def as_side(self, side):
+        before, self.side = self.side, side
+        yield self
+        self.side = before
+
+    def score(self, batch, weights=None):
         out = torch.zeros(batch.tokens.shape)
-        out[0, 1:3] = torch.tensor(COMPILED if self.now_compiled else EAGER)
+        out[0, 1:3] = torch.tensor(COMPILED if self.side.compiled else EAGER)
         return out
 
 
-def test_the_compile_term_by_hand(monkeypatch):
+def test_the_compile_term_by_hand():
     """The engine compiled, the learner eager: the chain goes μ → the learner compiled (as the engine ran) →
     the learner eager (= π_old). k1 of the compile term = mean(log p_compiled − log p_eager)."""
-    import unison.policy
-
-    @contextlib.contextmanager
-    def compiled_as(scorer, on):
-        before, scorer.now_compiled = scorer.now_compiled, on
-        yield
-        scorer.now_compiled = before
-
-    monkeypatch.setattr(unison.policy, "compiled_as", compiled_as)
     batch = collate([Completion([5], [7, 8], MU, "stop")], pad_id=0)
     for learner_compiled in (False, True):
-        p = ledger.plan(quantized=False, quantization_aware=False, truncated=False, replay_support=False, moe=False,
-                        routing_replay=False, asynchronous=False, can_rescore="no prefill", can_score_old=True,
-                        compile_differs=True)
+        engine, lrn = Side(compiled=not learner_compiled), _Learner(compiled=learner_compiled)
+        p = ledger.plan(engine, lrn.side, truncated=False, moe=False, asynchronous=False, can_rescore="no prefill",
+                        can_score_old=True)
         assert p.present == ["decode", "engine", "compile"]
-        lrn = _Learner(compiled=learner_compiled)
         final = torch.zeros(batch.tokens.shape)
         final[0, 1:3] = torch.tensor(COMPILED if learner_compiled else EAGER)
-        m = ledger.Ledger(lrn, p).measure(batch, final, step=0)
+        m = ledger.Ledger(lrn, p, engine).measure(batch, final, step=0)
         first, last = (EAGER, COMPILED) if learner_compiled else (COMPILED, EAGER)
         want_engine = sum(m_ - f for m_, f in zip(MU, first)) / 2
         want_compile = sum(f - x for f, x in zip(first, last)) / 2
         assert m["ledger/engine_k1"] == pytest.approx(want_engine, abs=1e-6)
         assert m["ledger/compile_k1"] == pytest.approx(want_compile, abs=1e-6)
         assert m["ledger/engine_k1"] + m["ledger/compile_k1"] == pytest.approx(m["ledger/total_k1"], abs=1e-6)
-        assert lrn.now_compiled == learner_compiled  # the learner is left as it runs
-    same = ledger.plan(quantized=False, quantization_aware=False, truncated=False, replay_support=False, moe=False,
-                       routing_replay=False, asynchronous=False, can_rescore=None, can_score_old=True)
+        assert lrn.side.compiled == learner_compiled  # the learner is left as it runs
+    same = ledger.plan(Side(), Side(), truncated=False, moe=False, asynchronous=False, can_rescore=None,
+                       can_score_old=True)
     assert "compile" not in same.present
 
 
@@ -253,7 +252,7 @@ def test_a_compiled_engine_samples_what_the_eager_one_does(tiny_dir):
     from unison.rollout import SamplingParams, make_engine
 
     eager = make_engine("native", tiny_dir, torch.float32)
-    comp = make_engine("native", tiny_dir, torch.float32, compile=True)
+    comp = make_engine("native", tiny_dir, Side(compiled=True))
     assert comp.kernels.compiled and comp.kernels.compile_s > 0
     marks = compilation.seconds_compiling()
     prompts = [[1, 5, 6, 7, 9], [1, 8], [1, 4, 4]]
@@ -293,14 +292,15 @@ def test_a_run_with_the_engine_compiled_logs_compile_time_and_the_compile_term(t
 
 @pytest.mark.compile
 def test_a_compiled_learner_scores_as_the_eager_one_to_fp32_rounding(tiny_dir):
-    from unison.learner import Learner
-    from unison.policy import compiled_as
+    from dataclasses import replace
 
-    lrn = Learner(tiny_dir, compile=True)
+    from unison.learner import Learner
+
+    lrn = Learner(tiny_dir, Side(compiled=True))
     comps = [Completion([1, 5, 6], [7, 8, 9], [-1.0] * 3, "stop"), Completion([1, 4], [5, 6], [-1.0] * 2, "stop")]
     batch = collate(comps, pad_id=0)
     compiled = lrn.score(batch)
-    with compiled_as(lrn, False):
+    with lrn.as_side(replace(lrn.side, compiled=False)):
         eager = lrn.score(batch)
     assert (compiled - eager).abs().max() < 1e-5
     assert lrn.compiled and all(layer._compiled_call_impl is not None for layer in lrn.model.model.layers)

@@ -13,7 +13,8 @@ from unison.algorithms.presets import correction_kwargs, loss_kwargs, resolve_po
 from unison.config import PolicyConfig, config_from_dict
 from unison.errors import UnisonError
 from unison.schedules import MismatchBudgetSchedule, make_schedule
-from unison.rollout.sync import push
+from unison.sync import sync
+from unison.sides import Side
 
 
 # ------------------------------------------------------------------ IcePop
@@ -388,10 +389,10 @@ def _one_batch(engine, n=2, tokens=12, **sampling):
 def test_quantization_aware_gradient_is_straight_through_to_the_master(tiny_dir):
     """∂L/∂W_master under QAT == ∂L/∂W_q of the same loss computed on a model that holds W_q = Q(W)."""
     from unison.learner import Learner
-    from unison.policy import token_logprobs
+    from unison.logprobs import token_logprobs
     from unison.quant import fake_quantize, targets
 
-    qat = _perturbed(Learner(tiny_dir, quantization_aware=("int4", 64)))
+    qat = _perturbed(Learner(tiny_dir, Side(quantization="int4", group_size=64)))
     ref = _perturbed(Learner(tiny_dir))
     quant = {t.name: t.in_dim for t in targets(ref.model)}
     with torch.no_grad():  # the reference holds the quantized weights themselves
@@ -420,9 +421,9 @@ def test_quantization_aware_off_is_bit_identical_and_the_engine_agrees(tiny_dir)
     from unison.mismatch import k3
     from unison.rollout import make_engine
 
-    plain, qat = _perturbed(Learner(tiny_dir)), _perturbed(Learner(tiny_dir, quantization_aware=("int4", 64)))
-    engine = make_engine("native", tiny_dir, torch.float32, quantization="int4")
-    push(engine, plain)
+    plain, qat = _perturbed(Learner(tiny_dir)), _perturbed(Learner(tiny_dir, Side(quantization="int4", group_size=64)))
+    engine = make_engine("native", tiny_dir, Side(quantization="int4"))
+    sync(engine, plain)
     b = _one_batch(engine)
     with qat.qat.set(False):  # switched off: the hooks do nothing
         assert torch.equal(qat.score(b), plain.score(b))
@@ -438,20 +439,20 @@ def test_quantization_aware_quantizes_moe_experts_and_lora_merged_weights(tiny_d
     from unison.rollout import make_engine
 
     moe_dir = zoo.build("qwen3_moe", tmp_path / "moe")
-    learner = Learner(moe_dir, quantization_aware=("int8", 64))
+    # the engine's experts replayed: the remaining gap is quantization's alone
+    learner = Learner(moe_dir, Side(quantization="int8", group_size=64, routing_replay=True))
     assert any("experts" in m for m, _, _ in learner.qat.params)  # the 3-D expert tensors are quantized too
-    engine = make_engine("native", moe_dir, torch.float32, quantization="int8")
+    engine = make_engine("native", moe_dir, Side(quantization="int8"))
     b = _one_batch(engine, tokens=8)
-    learner.routing_replay = True  # the engine's experts: the remaining gap is quantization's alone
     assert float(k3(learner.score(b), b.logp_mu, b.response_mask)) < 1e-9
-    lora = Learner(tiny_dir, lora_cfg=LoRAConfig(rank=2, alpha=4.0), quantization_aware=("int4", 64))
+    lora = Learner(tiny_dir, Side(quantization="int4", group_size=64), lora=LoRAConfig(rank=2, alpha=4.0))
     with torch.no_grad():  # adapters that change the merged weight
         for n, p in lora.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     assert lora.qat.lora and not any("lora_" in m or "base_layer" in m for m, _, _ in lora.qat.params)
-    eng = make_engine("native", tiny_dir, torch.float32, quantization="int4")
-    push(eng, lora)  # the merged weights W + (α/r)·B·A, quantized by the engine
+    eng = make_engine("native", tiny_dir, Side(quantization="int4"))
+    sync(eng, lora)  # the merged weights W + (α/r)·B·A, quantized by the engine
     b = _one_batch(eng)
     assert float(k3(lora.score(b), b.logp_mu, b.response_mask)) < 1e-9
 
@@ -469,6 +470,18 @@ def test_probe_quantization_aware_rows_and_exact_bitwise(tiny_dir):
     assert rows["bf16", False, True]["mismatch/k3"] < 0.1 * rows["bf16", False, False]["mismatch/k3"]
     for p in ("fp32", "bf16"):  # quantized rollout with zero mismatch
         assert rows[p, True, True]["mismatch/k3"] == 0.0 and rows[p, True, True]["mismatch/identical_fraction"] == 1.0
+
+
+def test_the_quantization_aware_lora_learner_scores_with_parameters_cast_to_bf16(tiny_dir):
+    # LoRA under the quantization-aware learner, parameters cast to bf16 (FSDP2's mixed precision, the probe's
+    # --param-dtype compute): the adapted layer merged in fp32 and multiplied a bf16 input by an fp32 weight
+    # ("expected m1 and m2 to have the same dtype"); it now multiplies in the input's dtype
+    from unison.probe import ProbeConfig, run_probe
+
+    out = run_probe(ProbeConfig(precisions=["bf16"], quantizations=["int4"], quantization_aware=True, lora_ranks=[2],
+                                param_dtypes=["compute"], n=2, max_new_tokens=12), log=lambda m: None)
+    rows = {r["quantization_aware"]: r for r in out["results"]}
+    assert rows[True]["mismatch/k3"] < 0.5 * rows[False]["mismatch/k3"]  # the quantizer still removes int4's gap
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -535,10 +548,10 @@ def test_replay_removes_the_kept_mass_from_the_ratio(tiny_dir):
         assert "support" in b.extras and int(b.extras["support"].max()) > 0
         # recorded on response tokens only, one size per sampled token
         assert bool(((b.extras["support"] > 0) <= b.response_mask.bool()).all())
-        learner.replay_sampling_mask = False
-        full = learner.score(b)
-        learner.replay_sampling_mask = True
-        replayed = learner.score(b)
+        with learner.as_side(Side(support_replay=False)):
+            full = learner.score(b)
+        with learner.as_side(Side(support_replay=True)):
+            replayed = learner.score(b)
         m = b.response_mask
         assert float(k3(full, b.logp_mu, m)) > 1e-4 and float(k1(full, b.logp_mu, m)) > 0  # log μ > log π
         assert float(k3(replayed, b.logp_mu, m)) < 1e-9
@@ -557,8 +570,8 @@ def test_quantization_aware_lora_under_autocast_quantizes_the_engines_fp32_merge
     from unison.learner import Learner
     from unison.precision import DTYPES
 
-    learner = Learner(tiny_dir, compute_dtype=DTYPES[precision], lora_cfg=LoRAConfig(rank=2, alpha=4.0),
-                      quantization_aware=("int4", 64))
+    learner = Learner(tiny_dir, Side(dtype=DTYPES[precision], quantization="int4", group_size=64),
+                      lora=LoRAConfig(rank=2, alpha=4.0))
     with torch.no_grad():
         for n, p in learner.model.named_parameters():
             if "lora_B" in n:

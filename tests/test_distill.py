@@ -13,6 +13,7 @@ from unison.algorithms.losses import ppo_clip
 from unison.config import load_config
 from unison.data_io import read_metrics
 from unison.errors import UnisonError
+from unison.sides import Side
 
 # two rows of 5 positions. Row 0: 2 prompt tokens, 2 sampled tokens, 1 pad. Row 1: 1 prompt token, a sampled
 # token, a tool token (the environment's: not the model's), 2 sampled tokens.
@@ -195,8 +196,8 @@ def test_under_top_p_the_teacher_scores_its_full_distribution_not_the_students_s
     ids = [eng.tokenizer(t)["input_ids"] for t in ("12+35=", "7+8=")]
     b = collate(eng.generate(ids, SamplingParams(n=4, max_tokens=12, top_p=0.7, seed=3)), eng.pad_id)
     assert "support" in b.extras  # top-p: the engine recorded each token's support
-    full = Scorer(d, replay_sampling_mask=False).score(b)
-    replayed = Scorer(d, replay_sampling_mask=True).score(b)
+    full = Scorer(d, Side(support_replay=False)).score(b)
+    replayed = Scorer(d, Side(support_replay=True)).score(b)
     assert float((full - replayed).abs().max()) > 0.1  # the two differ here, or the test could not fail
     assert torch.equal(teacher.score(b), full)
 
@@ -207,7 +208,7 @@ def test_the_full_reverse_kl_and_its_gradient_on_a_hand_computed_case():
     # KL(π ‖ q) = 1/4·ln(1/2) + 1/2·ln 2 + 0 = ln2 / 4. ∂KL/∂z_j = π_j (log π_j − log q_j − KL):
     # [1/4·(−ln2 − ln2/4), 1/2·(ln2 − ln2/4), 1/4·(−ln2/4)] = ln2·[−5/16, 3/8, −1/16]; with h = 1, ∂KL/∂W = that
     # column and ∂KL/∂h = Σ_j ∂KL/∂z_j · W_j = 3/8·ln²2
-    from unison.policy import _HeadKL
+    from unison.logprobs import _HeadKL
 
     ln2 = math.log(2.0)
     h = torch.tensor([[1.0]], requires_grad=True)
@@ -231,7 +232,7 @@ def test_the_full_reverse_kl_and_its_gradient_on_a_hand_computed_case():
 def test_the_fused_full_reverse_kl_equals_autograd_of_the_kl(temperature):
     # 5 positions, d 8, a 50-token vocabulary, a bias: values and gradients of log π(target) and KL, both at once,
     # against autograd through log_softmax; the unfused path (the one autocast, transforms and GPUs take) too
-    from unison.policy import _HeadKL, _head_logp_kl
+    from unison.logprobs import _head_logp_kl, _HeadKL
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 8, generator=g, requires_grad=True)

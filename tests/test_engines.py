@@ -1,6 +1,8 @@
 """The native rollout engine against the learner, and the tiny model."""
 
 import torch
+
+from unison.sides import Side
 import pytest
 
 from unison.batch import collate
@@ -89,8 +91,8 @@ def test_precision_orders_the_mismatch(tiny_dir):
         engine = make_engine("native", tiny_dir, dtype)
         batch = collate(engine.generate(_prompts(engine.tokenizer) * 2,
                                         SamplingParams(n=2, max_tokens=48, seed=0)), engine.pad_id)
-        learner.compute_dtype = dtype
-        k3[name] = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)["mismatch/k3"]
+        with learner.as_side(Side(dtype=dtype)):
+            k3[name] = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)["mismatch/k3"]
     assert k3["bf16"] > 5 * k3["fp16"] > 5 * k3["fp32"]
 
 
@@ -135,7 +137,7 @@ def test_token_logprobs_alignment_temperature_and_entropy_by_hand():
     import math
     from types import SimpleNamespace
 
-    from unison.policy import token_logprobs
+    from unison.logprobs import token_logprobs
 
     # position t predicts token t+1; vocab of 3; fixed logits per position (an identity output layer)
     logits = torch.tensor([[[0.0, 0.0, 0.0], [2.0, 0.0, 0.0], [9.0, 9.0, 9.0]]])

@@ -12,7 +12,8 @@ from unison.errors import UnisonError
 from unison.learner import Learner
 from unison.rollout import SamplingParams, make_engine
 from unison.trainer import Trainer
-from unison.rollout.sync import push
+from unison.sync import sync
+from unison.sides import Side
 
 WIDTH = 14
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -20,8 +21,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @pytest.fixture(scope="module")
 def pairs(tiny_dir):
-    return {name: (make_engine("native", tiny_dir, dt, exact=True, prompt_width=WIDTH),
-                   Learner(tiny_dir, compute_dtype=dt, exact=True)) for name, dt in DTYPES.items()}
+    return {name: (make_engine("native", tiny_dir, Side(dtype=dt, exact=True), prompt_width=WIDTH),
+                   Learner(tiny_dir, Side(dtype=dt, exact=True))) for name, dt in DTYPES.items()}
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -38,7 +39,7 @@ def test_engine_score_pass_and_training_forward_agree_bitwise(pairs, dtype, prom
         with torch.no_grad():
             for p in learner.model.parameters():
                 p.add_(1e-3 * torch.randn(p.shape, generator=g))
-        push(engine, learner)
+        sync(engine, learner)
     tok = engine.tokenizer
     ids = [tok(p)["input_ids"] for p in prompts]
     comps = engine.generate(ids, SamplingParams(n=n, max_tokens=max_tokens, seed=seed))
@@ -134,8 +135,8 @@ def test_collate_in_the_exact_layout_by_hand():
 # ------------------------------------------------------------------ by construction (issue 21)
 def _engine_and_learner(tiny_dir, dtype=torch.float32, ops=None):
 
-    engine = make_engine("native", tiny_dir, dtype, exact=True, prompt_width=WIDTH)
-    learner = Learner(tiny_dir, compute_dtype=dtype, exact=True)
+    engine = make_engine("native", tiny_dir, Side(dtype=dtype, exact=True), prompt_width=WIDTH)
+    learner = Learner(tiny_dir, Side(dtype=dtype, exact=True))
     if ops is not None:
         engine.exact.ops = learner.exact.ops = ops
     return engine, learner
@@ -296,11 +297,11 @@ def test_the_exact_learner_s_gradient_is_the_models_own(tiny_dir):
             (-(logp * batch.response_mask).sum()).backward()
         return {n: p.grad.clone() for n, p in learner.model.named_parameters()}
 
-    engine = make_engine("native", tiny_dir, torch.float32, exact=True, prompt_width=WIDTH)
+    engine = make_engine("native", tiny_dir, Side(exact=True), prompt_width=WIDTH)
     tok = engine.tokenizer
     comps = engine.generate([tok(p)["input_ids"] for p in ("12+", "7+8=", "abc")],
                             SamplingParams(n=2, max_tokens=6, seed=1))
-    exact, today = Learner(tiny_dir, exact=True), Learner(tiny_dir)
+    exact, today = Learner(tiny_dir, Side(exact=True)), Learner(tiny_dir)
     g_exact = grads(exact, collate(comps, engine.pad_id, layout=(WIDTH, WIDTH + 6)))
     g_today = grads(today, collate(comps, engine.pad_id))
     exact.exact.ops = ExactOps(8, 2)

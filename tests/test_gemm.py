@@ -1,5 +1,5 @@
 """The CPU's fp32 matmul library (unison/gemm.py), the fused output layer of the learner's log-probs
-(policy._HeadLogp), the last log-prob chunk kept rather than recomputed, and fused AdamW: what each
+(logprobs._HeadLogp), the last log-prob chunk kept rather than recomputed, and fused AdamW: what each
 computes is held to the old path's numbers (fp32 rounding) or to numbers worked out by hand."""
 
 import math
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from unison import gemm, optim, policy
+from unison import gemm, optim
+from unison import logprobs as policy
 from unison.config import load_config
 from unison.errors import UnisonError
 from unison.trainer import Trainer

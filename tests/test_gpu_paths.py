@@ -13,7 +13,8 @@ from unison.config import load_config
 from unison.errors import UnisonError
 from unison.rollout import vllm_engine, vllm_server
 from unison.rollout.vllm_engine import VLLMEngine, check_vllm
-from unison.rollout.sync import push, weight_update
+from unison.sync import sync, weight_update
+from unison.policy import ScoringOptions
 
 
 # 1 — the vLLM release is pinned and checked -------------------------------------------------------
@@ -124,7 +125,7 @@ def test_sleep_level_2_wakes_weights_reloads_then_wakes_the_cache(fake_vllm, tin
     e.wake()  # after the update: level 2 leaves the waking to the sync
     with pytest.raises(UnisonError, match="slept at level 2 and holds no weights until the next sync"):
         e.generate([[1, 2]], SamplingParams(max_tokens=2))
-    push(e, _Learner())
+    sync(e, _Learner())
     assert llm.calls == ["sleep2", "wake:weights", ("reload", "generator", 3), "reset", "wake:kv_cache"]
     assert not e.asleep
 
@@ -240,7 +241,7 @@ def test_cuda_peak_memory_is_reset_after_each_read(monkeypatch):
 def test_the_server_sync_probe_scores_at_temperature_1(tiny_dir):
     from unison.learner import Learner
 
-    learner = Learner(tiny_dir, temperature=0.6)
+    learner = Learner(tiny_dir, options=ScoringOptions(temperature=0.6))
     with _stub(tiny_dir) as stub:
         from unison.rollout.vllm_server import VLLMServerEngine
 
@@ -258,10 +259,10 @@ def test_each_probe_arm_closes_its_engine_before_the_next_is_built(tmp_path, mon
 
     events, real = [], probe.make_engine
 
-    def make(name, model_dir, dtype, **kw):
-        engine = real(name, model_dir, dtype, **kw)
-        events.append(("built", str(dtype), kw.get("max_len")))
-        engine.close = lambda: events.append(("closed", str(dtype)))
+    def make(name, model_dir, side, **kw):
+        engine = real(name, model_dir, side, **kw)
+        events.append(("built", str(side.dtype), kw.get("max_len")))
+        engine.close = lambda: events.append(("closed", str(side.dtype)))
         return engine
 
     monkeypatch.setattr(probe, "make_engine", make)
@@ -334,11 +335,11 @@ def test_the_nccl_weight_transfer_of_a_lora_learner_announces_the_merged_base_na
         mod.__dict__.update(parts.get(name, {}))
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(vllm_server, "_local_transfer_engine", lambda: None)
-    learner = Learner(tiny_dir, lora_cfg=LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"]))
+    learner = Learner(tiny_dir, lora=LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"]))
     info = {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}
     with _stub(tiny_dir, server_info=info) as stub:
         eng = _server(stub.url, tiny_dir, dtype=torch.bfloat16)
-        push(eng, learner)
+        sync(eng, learner)
     names = [n for n, _, _ in record["sent"]]
     assert record["meta"] == record["sent"] and record["world_size"] == 2
     assert names == [n for n, _ in learner.export_shapes()]

@@ -11,6 +11,7 @@ from unison.batch import Completion, collate
 from unison.config import load_config
 from unison.errors import UnisonError
 from unison.trainer import Trainer, read_metrics
+from unison.sides import Side
 
 # ------------------------------------------------------------------ the chain by hand
 # two rows: row 0 (two response tokens) sampled one version ago, row 1 (one token) at the current version.
@@ -24,38 +25,31 @@ PI_OLD = {0: [-1.5, -2.5], 1: [-0.9]}                 # the learner as the train
 OFF = {"quantizer": 0.3, "replay": 0.07, "behind": 0.011, "merged": 0.005}
 
 
-class _Quantizer:
-    enabled = False
-
-    def set(self, on):
-        @contextlib.contextmanager
-        def ctx():
-            before, self.enabled = self.enabled, on
-            yield
-            self.enabled = before
-        return ctx()
-
-
 class _Learner:
-    """Answers score() as a function of every setting it is called with: the quantizer's state, the support replay,
+    """Answers score() as a function of every setting it is called with: its side's quantizer and support replay,
     the version the weights are of and, with LoRA, whether they came merged (``weights`` given) or through the
     adapters (None, the current version)."""
 
-    qat, moe, routing_replay, sharded = None, False, False, False
+    moe, routing_replay, sharded = False, False, False
 
-    def __init__(self, quantizer, step, lora=False):
-        self.q, self.step, self.replay_sampling_mask = quantizer, step, False
+    def __init__(self, step, lora=False):
+        self.step, self.side = step, Side(support_replay=False)  # the trainer's: no quantizer, no replay
         self.peft = object() if lora else None
+
+    @contextlib.contextmanager
+    def as_side(self, side):
+        before, self.side = self.side, side
+        yield self
+        self.side = before
 
     def export_weights(self, dtype=None):
         yield "version", self.step  # the current weights, merged (a LoRA learner's export)
 
-    def score(self, batch, weights=None, *, replay_sampling_mask=None, routing_replay=None):
-        replay = self.replay_sampling_mask if replay_sampling_mask is None else replay_sampling_mask
+    def score(self, batch, weights=None):
         version = self.step if weights is None else weights["version"]
         merged = self.peft is not None and weights is not None
-        off = OFF["quantizer"] * self.q.enabled + OFF["replay"] * replay + OFF["behind"] * (self.step - version) \
-            + OFF["merged"] * merged
+        off = OFF["quantizer"] * (self.side.quantization != "none") + OFF["replay"] * self.side.support_replay \
+            + OFF["behind"] * (self.step - version) + OFF["merged"] * merged
         out = torch.zeros(batch.tokens.shape)
         for i in range(batch.size):
             row = int(batch.tokens[i, 0]) - 5  # the prompt token names the row
@@ -63,6 +57,10 @@ class _Learner:
             p = len(batch.tokens[i]) - (batch.tokens[i] == 0).sum() - len(vals)
             out[i, int(p):int(p) + len(vals)] = torch.tensor(vals)
         return out
+
+
+#: the engine: int4 weights, its own sampled support
+ENGINE = Side(quantization="int4", routing_replay=True)
 
 
 def _batch(step):
@@ -77,21 +75,19 @@ def _table(batch, vals):
     return out
 
 
-def _plan(**kw):
-    args = dict(quantized=True, quantization_aware=False, truncated=True, replay_support=False, moe=False,
-                routing_replay=False, asynchronous=True, can_rescore=None, can_score_old=True)
-    return ledger.plan(**{**args, **kw})
+def _plan(learner=None, **kw):
+    args = dict(truncated=True, moe=False, asynchronous=True, can_rescore=None, can_score_old=True)
+    return ledger.plan(ENGINE, (learner or _Learner(4)).side, **{**args, **kw})
 
 
 def test_the_chain_by_hand_on_two_rows():
     step = 4
     b = _batch(step)
-    q = _Quantizer()
-    plan = _plan()
+    learner = _Learner(step)
+    plan = _plan(learner)
     assert plan.present == ["decode", "engine", "quantization", "truncation", "staleness"] and not plan.unmeasured
-    learner = _Learner(q, step)
-    led = ledger.Ledger(learner, plan, "int4", rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
-                        weights=lambda u: {"version": u}, quantizer=q)
+    led = ledger.Ledger(learner, plan, ENGINE, rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
+                        weights=lambda u: {"version": u})
     m = led.measure(b, _table(b, PI_OLD), step)
     # the chain's states, per response token (row 0's two tokens one version behind, row 1's current):
     #   decode  −1.1 −2.0 | −0.5
@@ -115,8 +111,8 @@ def test_the_chain_by_hand_on_two_rows():
     assert now is None and torch.allclose(behave, _table(b, {0: [-1.511, -2.511], 1: [-0.9]}))
     # an engine that cannot re-score: the decode term merges into the engine term
     plan2 = _plan(can_rescore="no prefill for unison")
-    m2 = ledger.Ledger(_Learner(q, step), plan2, "int4", weights=lambda u: {"version": u},
-                       quantizer=q).measure(b, _table(b, PI_OLD), step)
+    m2 = ledger.Ledger(_Learner(step), plan2, ENGINE, weights=lambda u: {"version": u}).measure(b, _table(b, PI_OLD),
+                                                                                                  step)
     assert "ledger/decode_k1" not in m2 and m2["ledger/engine_k1"] == pytest.approx(want["engine"] + 0.1 / 3, abs=1e-6)
     assert "shares of" in ledger.shares(m) and ledger.shares(m).startswith("ledger: decode")
 
@@ -128,12 +124,11 @@ def test_the_chain_by_hand_with_lora_keeps_the_merge_out_of_staleness():
     # with merged (issue 51, item 4: it held the merge's rounding)
     step = 4
     b = _batch(step)
-    q = _Quantizer()
-    plan = _plan(lora=True)
+    learner = _Learner(step, lora=True)
+    plan = _plan(learner, lora=True)
     assert plan.present == ["decode", "engine", "quantization", "truncation", "staleness", "merge"]
-    led = ledger.Ledger(_Learner(q, step, lora=True), plan, "int4",
-                        rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
-                        weights=lambda u: {"version": u}, quantizer=q)
+    led = ledger.Ledger(learner, plan, ENGINE, rescore=lambda sub, v: _table(b, DECODE)[sub.tokens[:, 0] - 5],
+                        weights=lambda u: {"version": u})
     m = led.measure(b, _table(b, PI_OLD), step)
     # every pass before the merge is 0.005 lower than without LoRA (merged weights); the current version's too
     want = {"decode": 0.1 / 3, "engine": (0.786 + 0.886 + 0.775) / 3, "quantization": -0.9 / 3,
@@ -149,9 +144,9 @@ def test_the_chain_by_hand_with_lora_keeps_the_merge_out_of_staleness():
                      Completion([6], [9], MU[1], "stop", prompt_index=1, version=step)], pad_id=0)
     m = led.measure(fresh, _table(fresh, PI_OLD), step)
     assert "ledger/staleness_k1" not in m and m["ledger/merge_k1"] == pytest.approx(-0.015 / 3, abs=1e-6)
-    assert ledger.plan(**{**dict(quantized=False, quantization_aware=True, truncated=False, replay_support=False,
-                                 moe=False, routing_replay=False, asynchronous=False, can_rescore=None,
-                                 can_score_old=True), "lora": True}).present == ["decode", "engine"]
+    qat = Side(quantization="int4", support_replay=False)  # the quantization-aware learner merges as the engine does
+    assert ledger.plan(ENGINE, qat, truncated=False, moe=False, asynchronous=False, can_rescore=None,
+                       can_score_old=True, lora=True).present == ["decode", "engine"]
     assert _plan(lora=True, can_score_merged=False).unmeasured["merge"].startswith("the learner cannot score")
 
 
@@ -253,9 +248,8 @@ def _stale_engine_factory(monkeypatch):
 
     made = []
 
-    def make(name, model_dir, dtype, **kw):
-        kw.pop("seed", None), kw.pop("max_len", None)
-        e = StalePrefixEngine(model_dir, dtype, exact=False, quantization=kw.get("quantization", "none"))
+    def make(name, model_dir, side, **kw):
+        e = StalePrefixEngine(model_dir, side)
         made.append(e)
         return e
 
@@ -447,7 +441,7 @@ def test_the_engines_re_score_replays_the_decode_routing_so_expert_flips_land_in
     assert flips > 0  # bf16 flips experts between decode and prefill here: the test can tell the two apart
     replayed = eng.score(b, params)
     m, mu = b.response_mask, b.logp_mu
-    learner = Learner(d, compute_dtype=torch.bfloat16, routing_replay=True).score(b)  # "as the engine ran"
+    learner = Learner(d, Side(dtype=torch.bfloat16, routing_replay=True)).score(b)  # "as the engine ran"
     assert float(k3(replayed, mu, m)) < float(k3(with_flips, mu, m))  # decode term: the flips are gone from it
     assert float(k3(learner, replayed, m)) < float(k3(learner, with_flips, m))  # and from the engine term
 
@@ -461,7 +455,7 @@ def test_a_lora_learner_scores_under_merged_weights_as_under_its_adapters(tiny_d
     from unison.rollout import SamplingParams, generate, make_engine
 
     cfg = load_config(None, ["lora.rank=4", "lora.alpha=8"])
-    s = Scorer(tiny_dir, lora_cfg=cfg.lora)
+    s = Scorer(tiny_dir, lora=cfg.lora)
     with torch.no_grad():  # adapters that do something (B starts at 0)
         for n, p in s.model.named_parameters():
             if "lora_B" in n:

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from unison.sides import Side
+
 from unison import locate
 from unison.batch import collate
 from unison.errors import UnisonError
@@ -78,8 +80,8 @@ def test_unperturbed_fp32_is_exact_and_bf16_parts_later(tiny_dir, sampled):
     assert same["first_above"] is None and all(o["rel_error"] == 0.0 for o in same["ops"])
     assert same["full_kl_mean"] == 0.0
     bf = make_engine("native", tiny_dir, torch.bfloat16, max_len=64)
-    learner.compute_dtype = torch.bfloat16
-    out = locate.locate(bf, learner, batch, 1.0, torch.bfloat16)
+    with learner.as_side(Side(dtype=torch.bfloat16)):
+        out = locate.locate(bf, learner, batch, 1.0, torch.bfloat16)
     err = {o["op"]: o["rel_error"] for o in out["ops"]}
     assert 0 < err["embed"] <= 2.0 ** -8  # the embedding table rounded to bf16: at most one rounding
     assert out["full_kl_mean"] > 0 and len(out["full_kl_by_position"]) == int(batch.response_lens.max())

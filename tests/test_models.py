@@ -17,6 +17,8 @@ from unison.rollout import SamplingParams, make_engine
 from unison.rollout.native import decode_path
 from unison.trainer import Trainer
 from unison.zoo import ARCHITECTURES, build
+from unison.sides import Side
+from unison.policy import ScoringOptions
 
 MOE = ("qwen3_moe", "mixtral", "olmoe")
 
@@ -102,7 +104,8 @@ def test_routing_replay_gives_the_learner_the_rollouts_experts(zoo):
     logp, routing = learner.score(batch, with_routing=True)
     plain = mismatch_metrics(logp, batch.logp_mu, batch.response_mask)
     flips = moe.disagreement(batch.extras["routing"], routing, batch.response_mask)
-    replayed = mismatch_metrics(learner.score(batch, routing_replay=True), batch.logp_mu, batch.response_mask)
+    with learner.as_side(Side(routing_replay=True)):
+        replayed = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)
     assert flips > 0.05
     assert replayed["mismatch/k3"] < plain["mismatch/k3"]
 
@@ -246,7 +249,7 @@ def test_packed_rows_score_and_train_as_padded_rows_in_every_architecture(zoo, a
     """train.packing: three sequences (two longer than the 24-token sliding windows) in one row give
     the log-probs and gradients of the same sequences in padded rows, to fp32 rounding — by one sdpa
     call per sequence (Gemma 2, eager for its soft-capping: by transformers' block-diagonal mask)."""
-    from unison.policy import PolicyForward
+    from unison.logprobs import PolicyForward
     from unison.models import load_model, use_packed_attention
 
     g = torch.Generator().manual_seed(0)
@@ -297,11 +300,11 @@ def test_packed_attention_refuses_a_model_that_drops_the_boundaries():
 
 
 def test_the_learner_says_where_packing_does_less(zoo):
-    assert Learner(zoo["llama"], packing=True).packing_note is None
+    assert Learner(zoo["llama"], options=ScoringOptions(packing=True)).packing_note is None
     assert Learner(zoo["llama"]).packing_note is None
-    assert Learner(zoo["qwen3_moe"], packing=True).packing_note.startswith("off: MoE models keep padded rows")
+    assert Learner(zoo["qwen3_moe"], options=ScoringOptions(packing=True)).packing_note.startswith("off: MoE models keep padded rows")
     assert "eager attention: packed rows use transformers' block-diagonal mask" in \
-        Learner(zoo["gemma2"], packing=True).packing_note
+        Learner(zoo["gemma2"], options=ScoringOptions(packing=True)).packing_note
 
 
 @pytest.mark.parametrize("arch,targets", [("gpt2", "all-linear"), ("llama", "all-linear")])

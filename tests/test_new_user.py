@@ -150,7 +150,7 @@ def test_the_async_worker_and_the_learner_split_the_runs_threads(tmp_path):
                 tmp_path / "r", log=lambda m: None)
     try:
         assert t.source.backend.worker.proc.is_alive()
-        assert t.source.backend.learner_threads == 2 and torch.get_num_threads() == 2  # the worker takes 1
+        assert t.source.backend.trainer_threads == 2 and torch.get_num_threads() == 2  # the worker takes 1
     finally:
         t.source.close()
 

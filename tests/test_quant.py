@@ -10,7 +10,8 @@ from unison.learner import Learner
 from unison.mismatch import seq_rho_over_fraction, token_rho_outside_fraction
 from unison.quant import fake_quantize, quantization_warning, quantize, targets
 from unison.rollout import SamplingParams, make_engine
-from unison.rollout.sync import push
+from unison.sync import sync
+from unison.sides import Side
 
 
 # ------------------------------------------------------------------ formats, by hand
@@ -87,12 +88,12 @@ def test_targets_leave_embeddings_head_norms_and_routers_alone(tiny_dir, tmp_pat
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_engine_holds_quantize_of_the_learner_after_every_sync(tiny_dir, fmt):
-    engine = make_engine("native", tiny_dir, torch.bfloat16, quantization=fmt)
+    engine = make_engine("native", tiny_dir, Side(dtype=torch.bfloat16, quantization=fmt))
     learner = Learner(tiny_dir)
     with torch.no_grad():
         for p in learner.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    push(engine, learner)
+    sync(engine, learner)
     quant = {t.name: t.in_dim for t in targets(learner.model)}
     eng = dict(engine.model.named_parameters())
     for name, w in learner.model.named_parameters():
@@ -103,12 +104,12 @@ def test_engine_holds_quantize_of_the_learner_after_every_sync(tiny_dir, fmt):
 
 
 def test_quantization_none_holds_the_learner_weights_bit_for_bit(tiny_dir):
-    engine = make_engine("native", tiny_dir, torch.float32, quantization="none")
+    engine = make_engine("native", tiny_dir, Side())
     learner = Learner(tiny_dir)
     with torch.no_grad():
         for p in learner.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    push(engine, learner)
+    sync(engine, learner)
     eng = dict(engine.model.named_parameters())
     assert all(torch.equal(eng[n], w) for n, w in learner.model.named_parameters())
     # and the probe's fp32 row is rounding-level, as before quantization existed

@@ -42,7 +42,7 @@ def test_weight_sync_loads_the_new_weights(fp32_engine, tiny_dir):
     seq = tok("Q: 2*(3+4)=? A: 14, because")["input_ids"]
     tokens = torch.tensor([seq])
     mask = torch.ones_like(tokens)
-    from unison.policy import token_logprobs
+    from unison.logprobs import token_logprobs
 
     want = token_logprobs(learner.model, tokens, mask)[0, 1:]
     before = torch.tensor(fp32_engine.score([seq])[0])

@@ -190,7 +190,7 @@ def test_an_in_flight_sync_on_a_real_server_labels_every_token_with_the_weights_
     from unison.batch import collate
     from unison.learner import Learner
     from unison.rollout.base import SamplingParams
-    from unison.rollout.sync import weight_update
+    from unison.sync import weight_update
     from unison.rollout.vllm_server import VLLMServerEngine
 
     learner = Learner(tiny_dir)

@@ -307,7 +307,9 @@ class Checkpointer:
             kind, keys, *rest = r["numpy"]  # the keys: a tensor, or a numpy array (written by an older unison)
             np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
         step = state["step"]
-        self.source.resume(self.learner, step, read_kept_versions(ck / KEPT))
+        from unison.sync import weights_of
+
+        self.source.resume(weights_of(self.learner), step, read_kept_versions(ck / KEPT))
         return step, None
 
 

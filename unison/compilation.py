@@ -42,8 +42,7 @@ import torch
 
 from unison.config.values import parse_compile
 from unison.errors import UnisonError
-from unison.runtime import cpu_name
-from unison.threads import SMALL_MODEL, size_text
+from unison.threads import SMALL_MODEL, cpu_name, size_text
 
 #: a side compiles under ``auto`` only this much faster than eager
 SPEEDUP = 1.2

@@ -19,9 +19,10 @@ from unison import moe
 from unison.batch import RolloutBatch
 from unison.distributed import Dist, current, full_tensor
 from unison.optim import GradNoiseProbe, adamw
-from unison.policy import Scorer
+from unison.policy import Scorer, ScoringOptions
 from unison.precision import Precision
 from unison.runtime import small_model
+from unison.sides import Side
 
 
 @dataclass
@@ -42,12 +43,6 @@ class UpdateStats:
     routing_first: torch.Tensor | None = None
 
 
-def param_dtype(cfg) -> str:
-    """``distributed.param_dtype`` as the run uses it: unset means ``compute``, except with a quantization-aware
-    learner, which quantizes the weight FSDP2 gathers and so must gather the fp32 master the engine quantizes."""
-    return cfg.distributed.param_dtype or ("fp32" if cfg.train.quantization_aware else "compute")
-
-
 class Learner(Scorer):
     """The policy π in fp32 that scores rollouts (:class:`unison.policy.Scorer`), trains on them and checkpoints
     its optimizer. Built for scoring only (``Learner(model_dir)``, as ``unison probe`` does) or for training
@@ -63,26 +58,19 @@ class Learner(Scorer):
         self.distill: tuple | None = None
 
     @classmethod
-    def from_config(cls, cfg, model_dir: str | Path, dist: Dist | None = None, prec: Precision | None = None,
-                    policy: dict | None = None, compile: bool = False) -> Learner:
-        """A learner ready to train: the config's precision, optimizer, loss scaler and policy (``prec`` and
-        ``policy`` as the caller resolved them; resolved here when not given); ``compile``: its decoder layers
-        compiled (unison/compilation.py, as the run decided)."""
+    def from_config(cls, cfg, model_dir: str | Path, dist: Dist | None = None, side: Side | None = None,
+                    policy: dict | None = None) -> Learner:
+        """A learner ready to train: the config's optimizer, loss scaler and policy; ``side``: its numerics as the
+        run decided them (the :class:`~unison.sides.Machine`'s learner; from the config alone when not given);
+        ``policy`` as the caller resolved it (resolved here when not given)."""
         from unison.algorithms.presets import resolve_policy
         from unison.precision import make_grad_scaler
+        from unison.sides import config_sides
 
-        prec = prec or Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
+        prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
+        side = side or config_sides(cfg, prec, (dist or current()).world_size)[1]
         t = cfg.train
-        self = cls(model_dir, compute_dtype=prec.learner_dtype, device=cfg.device,
-                   temperature=cfg.rollout.temperature, dist=dist,
-                   param_dtype=param_dtype(cfg) if (dist or current()).enabled else "fp32",
-                   micro_batch_size=t.micro_batch_size, logprob_chunk=t.logprob_chunk,
-                   routing_replay=cfg.moe.routing_replay, aux_loss_coef=cfg.moe.aux_loss_coef, lora_cfg=cfg.lora,
-                   exact=cfg.exact, activation_checkpointing=t.activation_checkpointing,
-                   micro_batch_tokens=t.micro_batch_tokens, packing=t.packing,
-                   quantization_aware=(cfg.rollout.quantization, cfg.rollout.quant_group_size)
-                   if t.quantization_aware else None, replay_sampling_mask=cfg.rollout.replay_sampling_mask,
-                   compile=compile)
+        self = cls(model_dir, side, ScoringOptions.from_config(cfg), lora=cfg.lora, dist=dist)
         self.train_cfg, self.max_new_tokens = t, cfg.rollout.max_new_tokens
         self.policy = policy or resolve_policy(cfg.algo, cfg.policy)
         self.params = [p for p in self.forward_module.parameters() if p.requires_grad]

@@ -34,16 +34,15 @@ prefix or KV cache that outlived a weight sync — and the trainer warns about i
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from unison.batch import by_version
-from unison.compilation import sides
 from unison.errors import UnisonError
 from unison.mismatch import k1, k3
+from unison.sides import KNOBS, Side
 
 TERMS = ("decode", "engine", "quantization", "truncation", "routing", "compile", "staleness", "merge")
 
@@ -66,25 +65,18 @@ class Plan:
         return [t for t in self.present if t not in self.unmeasured]
 
 
-def plan(quantized: bool, quantization_aware: bool, truncated: bool, replay_support: bool, moe: bool,
-         routing_replay: bool, asynchronous: bool, can_rescore: str | None, can_score_old: bool,
-         compile_differs: bool = False, lora: bool = False, can_score_merged: bool = True) -> Plan:
-    """The terms of a run: ``can_rescore`` is None when the engine can re-score its samples, else why not;
-    ``compile_differs``: one of the engine and the learner runs compiled layers (unison/compilation.py); ``lora``: the
-    learner trains adapters (the engine holds them merged), ``can_score_merged``: it can score under merged weights
-    (one process)."""
-    present = ["decode", "engine"]
-    if quantized and not quantization_aware:
-        present.append("quantization")
-    if truncated and not replay_support:
-        present.append("truncation")
-    if moe and not routing_replay:
-        present.append("routing")
-    if compile_differs:
-        present.append("compile")
+def plan(engine: Side, learner: Side, *, truncated: bool, moe: bool, asynchronous: bool, can_rescore: str | None,
+         can_score_old: bool, lora: bool = False, can_score_merged: bool = True) -> Plan:
+    """The terms of a run: ``decode`` and ``engine`` always; the knobs where the engine's and the learner's
+    :class:`~unison.sides.Side` differ (:meth:`Side.differs`: quantization, truncation where sampling ``truncated``
+    the support, routing for a ``moe`` model, compile); ``staleness`` when ``asynchronous``; ``merge`` with ``lora``
+    adapters (absent under the quantization-aware learner, which merges as the engine does). ``can_rescore`` is None
+    when the engine can re-score its samples, else why not; ``can_score_old`` / ``can_score_merged``: the learner can
+    score under older / merged weights (one process)."""
+    present = ["decode", "engine", *engine.differs(learner, truncated=truncated, moe=moe)]
     if asynchronous:
         present.append("staleness")
-    if lora and not quantization_aware:
+    if lora and learner.quantization == "none":
         present.append("merge")
     unmeasured = {}
     if can_rescore is not None:
@@ -101,24 +93,14 @@ class Ledger:
     rows were all sampled at ``version`` (None when the engine cannot); ``weights(version)``: the learner's
     weights of an older version (None when not kept)."""
 
-    def __init__(self, learner, plan_: Plan, quantization: str = "none", group_size: int = 64, rescore=None,
-                 weights=None, quantizer=None, held_weights=None):
+    def __init__(self, learner, plan_: Plan, engine: Side, rescore=None, weights=None, held_weights=None):
         self.learner, self.plan, self.rescore, self.weights = learner, plan_, rescore, weights
+        #: the engine's numerics: the learner scores "as the engine ran" with its knobs (:meth:`Side.toward`)
+        self.engine = engine
         #: ``held_weights() -> (tensors that differ, tensors)``: the engine's weights against what the learner's
         #: current ones make it hold (an in-process engine; None where the engine's weights are out of reach)
         self.held_weights = held_weights
         self._held: tuple[int, int] | None = None
-        #: the rollout's quantizer on the learner's forward: the learner's own (quantization_aware), ``quantizer``,
-        #: or one the ledger adds, switched on only while it scores "as the engine ran"
-        self.quantizer = learner.qat or quantizer
-        if quantization != "none" and self.quantizer is None:
-            from unison.quant import QuantizationAware
-
-            self.quantizer = QuantizationAware(learner.model, quantization, group_size)
-            self.quantizer.enabled = False
-        self.final_quantize = learner.qat is not None and learner.qat.enabled
-        self.final_replay = learner.replay_sampling_mask
-        self.final_routing = learner.routing_replay
         self.warned = False
         #: (step, {term: the learner's log-probs after that term's change}) of the last :meth:`measure`
         self._passes: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -145,33 +127,27 @@ class Ledger:
         mu = batch.logp_mu
         present, measured = self.plan.present, self.plan.measured
         self._held = self.held_weights() if self.held_weights is not None else None  # before the update: version step
-        stale = "staleness" in present and bool((batch.token_versions(step) != step).any())
-        final = {"quantization": self.final_quantize, "truncation": self.final_replay,
-                 "routing": self.final_routing, "compile": getattr(self.learner, "compiled", False), "staleness": True,
-                 "merge": True}
-        # the learner "as the engine ran": its quantizer, the sampled support and routing, compiled or not, the
-        # sample's version (the current one when older weights are not kept: staleness is then part of the engine
-        # term), LoRA's adapters merged into the weights as the engine holds them
-        state = {"quantization": "quantization" in present or self.final_quantize,
-                 "truncation": "truncation" in present or self.final_replay,
-                 "routing": "routing" in present or self.final_routing,
-                 "compile": getattr(self.learner, "compiled", False) != ("compile" in present),
-                 "staleness": not (stale and "staleness" in measured),
-                 "merge": "merge" not in measured}
-        knobs = [t for t in ("quantization", "truncation", "routing", "compile") if t in present]
-        if stale and "staleness" in measured:
-            knobs.append("staleness")
+        stale = "staleness" in measured and bool((batch.token_versions(step) != step).any())
+        knobs = [t for t, _ in KNOBS if t in present]
+        # the learner "as the engine ran": its own side with the engine's knobs (quantizer, sampled support and
+        # routing, compiled or not), at the sample's version (the current one when older weights are not kept:
+        # staleness is then part of the engine term), LoRA's adapters merged into the weights as the engine holds them
+        final = self.learner.side
+        state = {"side": final.toward(self.engine, *knobs), "current": not stale, "merged": "merge" in measured}
+        terms = ["engine", *knobs, *(["staleness"] if stale else []), *(["merge"] if "merge" in measured else [])]
         if "merge" in measured:
-            knobs.append("merge")
             self._merged_now = dict(self.learner.export_weights())  # W + (α/r)·B·A in fp32, under the base names
         chain: list[tuple[str, torch.Tensor]] = [("mu", mu)]
         if "decode" in measured:
             chain.append(("decode", by_version(batch, self.rescore, step)))
-        terms = ["engine", *knobs]
         try:
             for term in terms[:-1]:
-                if term != "engine":
-                    state[term] = final[term]
+                if term == "staleness":
+                    state["current"] = True
+                elif term == "merge":
+                    state["merged"] = False
+                elif term != "engine":
+                    state["side"] = state["side"].toward(final, term)
                 chain.append((term, self._learner_scores(batch, step, state)))
         finally:
             self._merged_now = None
@@ -207,23 +183,19 @@ class Ledger:
         return out
 
     def _learner_scores(self, batch, step, state):
-        """The learner's log-probs in ``state`` (quantizer on/off, support replay, routing replay; at the
-        sample's own version unless ``state["staleness"]``; LoRA merged into the weights unless ``state["merge"]``)."""
-        from unison.policy import compiled_as
-
-        quantizer = self.quantizer.set(state["quantization"]) if self.quantizer is not None else contextlib.nullcontext()
-        options = dict(replay_sampling_mask=state["truncation"], routing_replay=state["routing"])
-        compiled = compiled_as(self.learner, state["compile"]) if "compile" in self.plan.present else contextlib.nullcontext()
-        now = None if state["merge"] else self._merged_now  # the current version: through the adapters, or merged
-        with quantizer, compiled:
-            if state["staleness"]:
-                return self.learner.score(batch, weights=now, **options)
+        """The learner's log-probs computing as ``state["side"]``, under the current weights (``state["current"]``)
+        or each token's sampling version's, merged as the engine holds them (``state["merged"]``) or through the
+        adapters."""
+        now = self._merged_now if state["merged"] else None  # the current version: merged, or through the adapters
+        with self.learner.as_side(state["side"]):
+            if state["current"]:
+                return self.learner.score(batch, weights=now)
 
             def at(sub, u):
                 w = now if u == step else self.weights(u)
                 if u != step and w is None:
                     raise UnisonError(f"the ledger needs the weights of version {u}, which are not kept")
-                return self.learner.score(sub, weights=w, **options)
+                return self.learner.score(sub, weights=w)
 
             return by_version(batch, at, step)
 
@@ -264,34 +236,31 @@ def shares(metrics: dict) -> str:
 
 
 # ------------------------------------------------------------------ wiring a run's ledger
-def build_ledger(cfg, learner, source, model_dir, rollout_dtype, exact: bool = False) -> Ledger | None:
+def build_ledger(cfg, learner, source, model_dir, engine: Side) -> Ledger | None:
     """The ledger of a training run (``mismatch.ledger``), or None: off, exact mode (nothing to measure),
-    ``mismatch.decompose_every`` 0. ``on`` refuses a run in which a term cannot be measured."""
+    ``mismatch.decompose_every`` 0. ``on`` refuses a run in which a term cannot be measured. ``engine``: the
+    engine's numerics (the run's machine)."""
     r = cfg.rollout
-    if cfg.mismatch.ledger == "off" or exact or not cfg.mismatch.decompose_every:
+    if cfg.mismatch.ledger == "off" or engine.exact or not cfg.mismatch.decompose_every:
         return None
-    rescore, why = _rescorer(cfg, source, model_dir, rollout_dtype, str(learner.device))
+    rescore, why = _rescorer(cfg, source, model_dir, engine, str(learner.device))
     keeps_old = source.max_staleness == 0 or source.weights(0) is not None
-    engine_compiled = cfg.engine == "native" and bool(sides(cfg.compile)[0])
-    p = plan(quantized=r.quantization != "none", quantization_aware=cfg.train.quantization_aware,
-             truncated=r.top_p < 1.0 or bool(r.top_k), replay_support=r.replay_sampling_mask, moe=learner.moe,
-             routing_replay=learner.routing_replay, asynchronous=r.max_staleness > 0, can_rescore=why,
-             can_score_old=learner.can_score_other_weights and keeps_old,
-             compile_differs=engine_compiled != learner.compiled, lora=learner.peft is not None,
+    p = plan(engine, learner.side, truncated=r.top_p < 1.0 or bool(r.top_k), moe=learner.moe,
+             asynchronous=r.max_staleness > 0, can_rescore=why,
+             can_score_old=learner.can_score_other_weights and keeps_old, lora=learner.peft is not None,
              can_score_merged=not learner.sharded)
     if cfg.mismatch.ledger == "on" and p.unmeasured:
         term, reason = next(iter(p.unmeasured.items()))
         raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "
                           f"set mismatch.ledger=auto (that term is then merged into its neighbour) or off")
     from unison.rollout.native import NativeEngine
+    from unison.sync import stale_tensors
 
-    engine = source.engine
-    held = (lambda: engine.stale_weights(learner.export_weights(engine.weight_dtype))) if isinstance(engine, NativeEngine) else None
-    return Ledger(learner, p, r.quantization, r.quant_group_size, rescore=rescore, weights=source.weights,
-                  held_weights=held)
+    held = (lambda: stale_tensors(source.engine, learner)) if isinstance(source.engine, NativeEngine) else None
+    return Ledger(learner, p, engine, rescore=rescore, weights=source.weights, held_weights=held)
 
 
-def _rescorer(cfg, source, model_dir, dtype, device):
+def _rescorer(cfg, source, model_dir, side: Side, device):
     """``(fn(batch, version) -> the engine's log μ by a prefill pass, None)``, or ``(None, why not)``. A synchronous
     native engine still holds the weights it sampled with; a worker's engine is rebuilt here, in the trainer's
     process, and loaded with the ring's weights of the version asked for."""
@@ -301,7 +270,6 @@ def _rescorer(cfg, source, model_dir, dtype, device):
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     engine = source.engine
-    compiled = bool(sides(cfg.compile)[0])  # the worker's engine compiles: its stand-in here too
     if isinstance(engine, NativeEngine):
         return (lambda batch, version: engine.score(batch, params)), None
     if source.max_staleness and cfg.engine == "native":
@@ -309,8 +277,7 @@ def _rescorer(cfg, source, model_dir, dtype, device):
 
         def rescore(batch, version):
             if "engine" not in held:
-                held["engine"] = NativeEngine(model_dir, dtype, device, quantization=r.quantization,
-                                              quant_group_size=r.quant_group_size, compile=compiled)
+                held["engine"] = NativeEngine(model_dir, side, device)  # as the worker's: its compiled layers too
             if held.get("version") != version:
                 held["engine"].load_weights(source.weights(version).items())
                 held["version"] = version

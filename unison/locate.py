@@ -134,7 +134,7 @@ def learner_trace(scorer, batch, temperature: float) -> dict[str, torch.Tensor]:
     recorded; ``head`` as :func:`engine_trace`'s, through the output layer's own matmul (the learner's scoring pass
     takes log π of the sampled token through its fused head, equal to it within fp32 rounding: the ledger's chain
     measures that pass)."""
-    from unison.policy import logit_transform
+    from unison.models import logit_transform
 
     model = scorer.model
     check_locatable(model)

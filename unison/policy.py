@@ -1,16 +1,9 @@
-"""log π of tokens, and the policy that computes it: the learner's forward (never the KV-cache path).
-
-Scoring is one full forward pass over prompt + response (never the KV-cache path the rollout engine uses):
-the difference between the two is the training–inference mismatch. :class:`PolicyForward` wraps the causal LM
-so that a sharded learner enters it through one root module; :func:`token_logprobs` is its one-call form;
-:class:`Scorer` holds the fp32 policy — loaded, adapted (LoRA), quantization-aware, exact, sharded — and scores
-batches (the probe uses it alone; :class:`unison.learner.Learner` adds the update).
-
-Log-probabilities never materialise the whole ``[rows, positions, vocab]`` logits: hidden states go through the
-output layer in chunks of positions (``train.logprob_chunk``), each giving ``logit − logsumexp`` and the entropy,
-and during training every chunk but the last is recomputed in the backward pass (activation checkpointing)
-instead of being kept. The last is kept: the backward starts with it, so recomputing it would cost its matmul
-again and save no memory at the peak (a micro-batch within the default token budget is one chunk).
+"""The policy π: the learner's model and how it scores batches — loaded (rank 0 reads it under torchrun), LoRA adapters
+injected, the rollout's quantizer on its forward, exact mode's shared forward, sharded by FSDP2, compiled. Its
+numerics are one :class:`~unison.sides.Side` (dtype, parameter cast, quantizer, support and routing replay,
+compilation, exact); :meth:`Scorer.as_side` scores under another for a while (the mismatch ledger's chain, the
+probe's variants). The log-probabilities themselves: unison/logprobs.py. :class:`unison.learner.Learner` adds the
+update.
 
 Numerics, one process and ``torchrun`` + FSDP2 alike (docs/distributed.md): one process keeps fp32 parameters
 under ``torch.autocast`` in the compute dtype; FSDP2 (``fully_shard`` per decoder layer + root) all-gathers them in
@@ -22,385 +15,89 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from unison import gemm, moe
+from unison import moe
 from unison.batch import RolloutBatch, micro_batches
 from unison.distributed import Dist, current, decoder_layers, full_tensor, shard
 from unison.errors import UnisonError
-from unison.models import (PACKED_ATTENTION, load_model, logit_transform, model_shell, packed_forward, packed_kwargs,
-                           use_packed_attention)
-from unison.precision import autocast
-from unison.rollout.base import support_logsumexp
-from unison.runtime import small_model
-
-#: positions per chunk of the output layer (``train.logprob_chunk``'s default)
-DEFAULT_CHUNK = 512
+from unison.logprobs import DEFAULT_CHUNK, PolicyForward, token_logprobs
+from unison.models import load_model, model_shell, use_packed_attention
+from unison.sides import Side
 
 
-# ----------------------------------------------------------------------------- log-probs
-def _head_logp(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float,
-               transform, want_entropy: bool, support: torch.Tensor | None = None, fused: bool = True):
-    """log p(target) and entropy for rows of hidden states ``h`` [N, d] (fp32 softmax). ``support`` [N]:
-    the size of the support each target was sampled from (sampling-mask replay; 0 = the vocabulary):
-    log p is then renormalised over it. The entropy is always the full distribution's. ``fused``: allow
-    :class:`_HeadLogp` where it applies (:attr:`PolicyForward.fused_head`)."""
-    if fused and transform is None and support is None and _fused_head(h, head):
-        return _HeadLogp.apply(h, head.weight, head.bias, targets, temperature, want_entropy)
-    logits = head(h).float()
-    if transform is not None:
-        logits = transform(logits)
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    norm = lse if support is None else support_logsumexp(logits, targets, support)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
-    if not want_entropy:
-        return logp, None
-    with torch.no_grad():
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How a scorer batches and runs its forwards (none of it changes a log-probability): the device, the sampling
+    temperature it scores at, micro-batches (``train.micro_batch_size`` rows, or a ``train.micro_batch_tokens``
+    budget), the output layer's chunk, packing, activation checkpointing, and the MoE load-balancing loss weight."""
+
+    device: str = "cpu"
+    temperature: float = 1.0
+    micro_batch_size: int = 16
+    micro_batch_tokens: int | None = None
+    logprob_chunk: int = DEFAULT_CHUNK
+    packing: bool = False
+    activation_checkpointing: bool = False
+    aux_loss_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg) -> ScoringOptions:
+        t = cfg.train
+        return cls(cfg.device, cfg.rollout.temperature, t.micro_batch_size, t.micro_batch_tokens, t.logprob_chunk,
+                   t.packing, t.activation_checkpointing, cfg.moe.aux_loss_coef)
 
 
-def _fused_head(h: torch.Tensor, head: torch.nn.Module) -> bool:
-    """:class:`_HeadLogp` computes this head: a plain fp32 ``nn.Linear`` on the CPU, outside autocast."""
-    w = head.weight if type(head) is torch.nn.Linear else None
-    return (w is not None and type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == torch.float32
-            and h.dtype == torch.float32 and h.device.type == "cpu" and not torch.is_autocast_enabled("cpu"))
-
-
-class _HeadLogp(torch.autograd.Function):
-    """log p(target) under z = (h·Wᵀ + b) / T, and the (detached) entropy, for rows ``h`` [n, d]: the same
-    function as the unfused path of :func:`_head_logp`, holding two [n, V] buffers instead of about ten.
-
-    Forward: z (one buffer) shifted by its row max m in place, p = exp(z − m) (the other), log p(t) =
-    (z_t − m) − log Σ p, then p normalised in place — the softmax, kept for the backward — and H = log Σ p −
-    Σ pᵢ(zᵢ − m). Backward, in place on that softmax: ∂log p(t)/∂z = onehot(t) − p, so g_z = g·(onehot − p)/T,
-    then g_h = g_z·W, g_W = g_zᵀ·h, g_b = Σ g_z. On the CPU every fresh [n, V] buffer is page-faulted in, and
-    at SmolLM2's vocabulary the unfused path's elementwise passes took more time than its matmuls."""
-
-    @staticmethod
-    def forward(ctx, h, w, b, targets, temperature, want_entropy):
-        z = gemm.linear(h, w, b)
-        if temperature != 1.0:
-            z.div_(temperature)
-        z.sub_(z.amax(-1, keepdim=True))
-        p = torch.exp(z)
-        total = p.sum(-1)
-        log_total = total.log()
-        logp = z.gather(-1, targets[:, None]).squeeze(-1) - log_total
-        p.div_(total[:, None])
-        ent = None
-        if want_entropy:  # Σ pᵢ zᵢ row by row as a batched dot product: no third [n, V] buffer
-            ent = log_total - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
-            ctx.mark_non_differentiable(ent)
-        del z
-        ctx.save_for_backward(h, w, p, targets)
-        ctx.temperature, ctx.has_bias = temperature, b is not None
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g, _g_ent):
-        h, w, p, targets = ctx.saved_tensors
-        gz = p.mul_(-g[:, None])  # the saved softmax is not needed after this: reused in place
-        gz.scatter_add_(-1, targets[:, None], g[:, None])
-        if ctx.temperature != 1.0:
-            gz.div_(ctx.temperature)
-        gh = gemm.linear(gz, w.t()) if ctx.needs_input_grad[0] else None
-        gw = gemm.linear(gz.t(), h.t()) if ctx.needs_input_grad[1] else None
-        gb = gz.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gh, gw, gb, None, None, None
-
-
-def _head_logp_kl(h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, transform,
-                  want_entropy: bool, support: torch.Tensor | None, h_teacher: torch.Tensor, teacher,
-                  fused: bool = True):
-    """:func:`_head_logp` and the exact reverse KL of each row's next-token distribution to the teacher's,
-    KL(π(·|s) ‖ π_T(·|s)) = Σ_v π(v|s) (log π(v|s) − log π_T(v|s)) over the whole vocabulary, both at ``temperature``
-    (on-policy distillation, ``distill.estimator: full``). ``h_teacher`` [n, d_T]: the teacher's hidden states at the
-    same positions; ``teacher.log_probs(h_teacher, temperature)`` its log-softmax [n, V] (no gradient), computed
-    here so that a checkpointed chunk recomputes it in the backward instead of keeping it. The KL is always the
-    full distribution's (``support``, sampling-mask replay, renormalises log p(target) only). Returns (log p, the
-    entropy or None, KL)."""
-    with torch.no_grad():
-        logq = teacher.log_probs(h_teacher, temperature)
-    if fused and transform is None and support is None and _fused_head(h, head):
-        return _HeadKL.apply(h, head.weight, head.bias, targets, temperature, want_entropy, logq)
-    logits = head(h).float()
-    if transform is not None:
-        logits = transform(logits)
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    lp = logits - lse[:, None]
-    norm = lse if support is None else support_logsumexp(logits, targets, support)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
-    p = lp.exp()
-    kl = (p * (lp - logq)).sum(-1)
-    ent = (-(p * lp).sum(-1)).detach() if want_entropy else None
-    return logp, ent, kl
-
-
-class _HeadKL(torch.autograd.Function):
-    """:class:`_HeadLogp` with the reverse KL to a fixed distribution q beside log p(target): for z = (h·Wᵀ + b)/T,
-    log p = z − logsumexp(z), KL = Σᵢ pᵢ (log pᵢ − log qᵢ). Backward, by hand (tested against autograd):
-
-        ∂KL/∂zⱼ = pⱼ (log pⱼ − log qⱼ − KL),    ∂log p(t)/∂zⱼ = δⱼₜ − pⱼ,
-
-    so g_z = (g_KL · p ⊙ (log p − log q − KL) + g_lp · (onehot(t) − p)) / T, then g_h = g_z·W, g_W = g_zᵀ·h,
-    g_b = Σ g_z. Keeps log p [n, V] (and the caller's log q) for the backward; nothing else of size V."""
-
-    @staticmethod
-    def forward(ctx, h, w, b, targets, temperature, want_entropy, logq):
-        z = gemm.linear(h, w, b)
-        if temperature != 1.0:
-            z.div_(temperature)
-        z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # log p, in place
-        p = torch.exp(z)
-        logp = z.gather(-1, targets[:, None]).squeeze(-1)
-        kl = torch.bmm(p[:, None, :], (z - logq)[:, :, None]).view(-1)
-        ent = None
-        if want_entropy:
-            ent = -torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
-            ctx.mark_non_differentiable(ent)
-        del p
-        ctx.save_for_backward(h, w, z, logq, targets, kl)
-        ctx.temperature, ctx.has_bias = temperature, b is not None
-        return logp, ent, kl
-
-    @staticmethod
-    def backward(ctx, g_lp, _g_ent, g_kl):
-        h, w, lp, logq, targets, kl = ctx.saved_tensors
-        p = torch.exp(lp)
-        gz = torch.zeros_like(p)
-        if g_kl is not None:
-            gz = (lp - logq).sub_(kl[:, None]).mul_(p).mul_(g_kl[:, None])
-        if g_lp is not None:
-            gz.sub_(p.mul_(g_lp[:, None]))
-            gz.scatter_add_(-1, targets[:, None], g_lp[:, None])
-        if ctx.temperature != 1.0:
-            gz.div_(ctx.temperature)
-        gh = gemm.linear(gz, w.t()) if ctx.needs_input_grad[0] else None
-        gw = gemm.linear(gz.t(), h.t()) if ctx.needs_input_grad[1] else None
-        gb = gz.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gh, gw, gb, None, None, None, None
-
-
-def selected_positions(tokens: torch.Tensor, attention_mask: torch.Tensor | None,
-                       positions: torch.Tensor | None) -> torch.Tensor:
-    """[B, L − 1] bool: the positions whose next token is scored — real tokens (``attention_mask``; None: packed
-    rows, every position) marked by ``positions`` when given; hidden state t predicts token t + 1."""
-    sel = attention_mask[:, 1:].bool() if attention_mask is not None else torch.ones_like(tokens[:, 1:], dtype=torch.bool)
-    if positions is not None:
-        sel = sel & positions[:, 1:].bool()
-    return sel
-
-
-class PolicyForward(torch.nn.Module):
-    """The learner's forward: ``log π(tokens[:, t] | tokens[:, <t])`` at chosen positions.
-
-    Wraps the Hugging Face causal LM (``self.lm``) so that a sharded learner
-    enters the model through one root module (FSDP2 gathers the root's own
-    parameters, embedding and output layer, in its forward).
-    """
-
-    def __init__(self, lm: torch.nn.Module, aux_loss_coef: float = 0.0):
-        super().__init__()
-        self.lm = lm
-        self._transform = logit_transform(lm.config)
-        #: the fused output layer (:class:`_HeadLogp`) where it applies; a small model keeps the plain path
-        self.fused_head = not small_model(lm)
-        #: MoE: when > 0, training forwards also compute the router's load-balancing loss
-        #: (``last_aux_loss``), which the learner adds with this weight
-        self.aux_loss_coef = aux_loss_coef
-        self.last_aux_loss: torch.Tensor | None = None
-
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None = None,
-                temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, return_entropy: bool = False,
-                cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None,
-                support: torch.Tensor | None = None, teacher=None):
-        """``attention_mask`` None with ``position_ids`` restarting at 0: several sequences packed in one
-        row, attention kept within each (by one attention call per sequence with the packed attention of
-        :func:`unison.models.use_packed_attention`, else by transformers' block-diagonal mask);
-        ``positions`` then marks what to score. ``support`` [B, L] (aligned with ``tokens``): the size of
-        the support each token was sampled from, for sampling-mask replay (:func:`support_logsumexp`).
-        ``teacher`` (on-policy distillation, ``distill.estimator: full``; :meth:`unison.teacher.Teacher.kl_target`):
-        also the exact per-position reverse KL to the teacher over the vocabulary, [B, L] aligned like log π (0
-        where not scored) — returned third."""
-        if cast_to is not None:  # run on parameters cast to ``cast_to`` (gradients reach the originals)
-            params = {n: p.to(cast_to) for n, p in self.named_parameters()}
-            return torch.func.functional_call(self, params, (tokens, attention_mask, positions, temperature,
-                                                             chunk, return_entropy, None, position_ids, support,
-                                                             teacher))
-        B, L = tokens.shape
-        aux = self.aux_loss_coef > 0 and torch.is_grad_enabled()
-        kwargs = {"output_router_logits": True} if aux else {}
-        packed = contextlib.nullcontext()
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids
-            if attention_mask is None and self.lm.config._attn_implementation == PACKED_ATTENTION:
-                kwargs.update(packed_kwargs(position_ids))  # one causal attention per sequence
-                packed = packed_forward()
-        with packed:
-            out = self.lm.base_model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **kwargs)
-        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        self.last_aux_loss = _load_balancing_loss(self.lm, out.router_logits, attention_mask) if aux else None
-        sel = selected_positions(tokens, attention_mask, positions)
-        hs, tg = h[:, :-1][sel], tokens[:, 1:][sel]
-        sup = support.to(h.device)[:, 1:][sel] if support is not None else None
-        ht = teacher.hidden(tokens, attention_mask, positions, position_ids) if teacher is not None else None
-        head = self.lm.get_output_embeddings()
-        lps, ents, kls = [], [], []
-        step = chunk if chunk and chunk > 0 else max(hs.shape[0], 1)
-        for s in range(0, hs.shape[0], step):
-            args = (hs[s:s + step], tg[s:s + step], head, temperature, self._transform, return_entropy,
-                    sup[s:s + step] if sup is not None else None)
-            fn = _head_logp if teacher is None else _head_logp_kl
-            if teacher is not None:
-                args += (ht[s:s + step], teacher)
-            args += (self.fused_head,)
-            if torch.is_grad_enabled() and hs.requires_grad and s + step < hs.shape[0]:
-                out = checkpoint(fn, *args, use_reentrant=False)
-            else:
-                out = fn(*args)
-            lps.append(out[0])
-            ents.append(out[1])
-            if teacher is not None:
-                kls.append(out[2])
-        vals = torch.cat(lps) if lps else hs.new_zeros(0, dtype=torch.float32)
-        logp = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device).masked_scatter(sel, vals)
-        logp = F.pad(logp, (1, 0))
-        ent = None
-        if return_entropy:
-            ent = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device)
-            if ents and ents[0] is not None:
-                ent = ent.masked_scatter(sel, torch.cat(ents))
-            ent = F.pad(ent, (1, 0))
-        if teacher is None:
-            return logp, ent
-        kl = torch.zeros((B, L - 1), dtype=torch.float32, device=h.device)
-        kl = F.pad(kl.masked_scatter(sel, torch.cat(kls) if kls else vals.new_zeros(0)), (1, 0))
-        return logp, ent, kl
-
-
-def _load_balancing_loss(lm, router_logits, attention_mask) -> torch.Tensor:
-    """The model's own Switch-style load-balancing loss (transformers' ``load_balancing_loss_func``
-    of its modeling module), over real tokens."""
-    import sys
-
-    fn = sys.modules[type(lm).__module__].load_balancing_loss_func
-    cfg = lm.config
-    n_exp = getattr(cfg, "num_experts", None) or cfg.num_local_experts
-    return fn(router_logits, n_exp, cfg.num_experts_per_tok, attention_mask)
-
-
-def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, compute_dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", return_entropy: bool = False,
-                   positions: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                   cast_to: torch.dtype | None = None, position_ids: torch.Tensor | None = None,
-                   support: torch.Tensor | None = None, teacher=None):
-    """log π(tokens[:, t] | tokens[:, <t]) for every position, aligned with ``tokens``.
-
-    ``model`` is a Hugging Face causal LM or a :class:`PolicyForward`. Position
-    0 has no context and is 0; so are padding positions and, when
-    ``positions`` is given, every position it does not mark. The forward runs
-    under autocast in ``compute_dtype``; logits are cast to fp32 and divided by
-    ``temperature`` before the softmax; with ``cast_to`` the parameters are cast to that
-    dtype for the forward instead (as FSDP2's mixed precision does). Gradients flow when called outside
-    ``no_grad``. With ``return_entropy`` also returns the (detached) entropy
-    of the next-token distribution at each position, aligned the same way. ``support`` [B, L]: sampling-mask replay, log π
-    renormalised over the support each token was sampled from (:func:`support_logsumexp`). ``teacher``: also
-    the per-position reverse KL to it (:meth:`PolicyForward.forward`), returned last.
-    """
-    fwd = model if isinstance(model, PolicyForward) else PolicyForward(model)
-    tokens = tokens.to(device)
-    attention_mask = attention_mask.to(device) if attention_mask is not None else None
-    if positions is not None:
-        positions = positions.to(device)
-    if position_ids is not None:
-        position_ids = position_ids.to(device)
-    with autocast(device, compute_dtype):
-        out = fwd(tokens, attention_mask, positions, temperature, chunk, return_entropy, cast_to, position_ids,
-                  support, teacher)
-    if teacher is not None:
-        return out if return_entropy else (out[0], out[2])
-    return out if return_entropy else out[0]
-
-
-# ----------------------------------------------------------------------------- the policy
 class Scorer:
-    """The policy π in fp32: loaded (rank 0 reads it under torchrun), LoRA adapters injected, the rollout's
-    quantizer on its forward (``quantization_aware``), exact mode's shared forward, sharded by FSDP2. Scores
-    batches (:meth:`score`) and exports its weights (:meth:`export_weights`); :class:`unison.learner.Learner`
-    trains it. ``temperature``, ``replay_sampling_mask`` and ``routing_replay`` are its defaults for scoring;
-    :meth:`score` takes each for one call."""
+    """The policy π in fp32 masters, computing as its :class:`~unison.sides.Side` says; scores batches
+    (:meth:`score`) and exports its weights (:meth:`export_weights`). ``lora``: the config's LoRA section (adapters
+    when its rank is above 0)."""
 
-    def __init__(self, model_dir: str | Path, compute_dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", temperature: float = 1.0, dist: Dist | None = None,
-                 param_dtype: str = "fp32", micro_batch_size: int = 16, logprob_chunk: int = DEFAULT_CHUNK,
-                 routing_replay: bool = False, aux_loss_coef: float = 0.0, lora_cfg=None, exact: bool = False,
-                 activation_checkpointing: bool = False, micro_batch_tokens: int | None = None,
-                 packing: bool = False, quantization_aware: tuple[str, int] | None = None,
-                 replay_sampling_mask: bool = True, compile: bool = False):
-        self.model_dir = Path(model_dir)
+    def __init__(self, model_dir: str | Path, side: Side | None = None, options: ScoringOptions | None = None,
+                 lora=None, dist: Dist | None = None):
+        side, options = side or Side(), options or ScoringOptions()
+        self.model_dir, self.options = Path(model_dir), options
         self.dist = dist or current()
-        self.device = self.dist.device if self.dist.enabled else torch.device(device)
-        self.compute_dtype = compute_dtype
-        self.temperature = temperature
-        self.micro_batch_size = micro_batch_size
-        #: token budget of a micro-batch (rows × its own longest row; packed: its tokens); None: micro_batch_size rows
-        self.micro_batch_tokens = micro_batch_tokens
-        self.logprob_chunk = logprob_chunk
+        self.device = self.dist.device if self.dist.enabled else torch.device(options.device)
+        self.temperature = options.temperature
         #: under torchrun only rank 0 reads the weights; the others build the model on the meta device and
         #: receive their shards from rank 0 after sharding (one host copy per job, not one per rank)
         shell = self.dist.enabled and not self.dist.is_main
         self.model = model_shell(self.model_dir, for_training=True) if shell else \
             load_model(self.model_dir, dtype=torch.float32, device=str(self.device))  # masters
         self.peft = None
-        if lora_cfg is not None and lora_cfg.rank > 0:  # adapters injected in place; only they train
-            from unison import lora
+        if lora is not None and lora.rank > 0:  # adapters injected in place; only they train
+            from unison import lora as adapters
 
-            self.peft = lora.apply(self.model, lora_cfg, self.model_dir)
-        self.forward_module = PolicyForward(self.model, aux_loss_coef=aux_loss_coef)
+            self.peft = adapters.apply(self.model, lora, self.model_dir)
+        self.forward_module = PolicyForward(self.model, aux_loss_coef=options.aux_loss_coef)
         #: exact mode: the forward shared with the native engine (unison/exact.py)
-        self.exact = _exact_forward(self.model, self.dist, self.peft) if exact else None
-        #: rollout.replay_sampling_mask: log π renormalised over the support each token was sampled from
-        #: (when the batch carries it: top-p / top-k sampling on the native engine)
-        self.replay_sampling_mask = replay_sampling_mask
-        #: train.quantization_aware: the forward computes through the rollout's quantizer (unison/quant.py);
-        #: (format, group size), or None
-        self.qat = None
-        if quantization_aware is not None:
-            from unison.quant import QuantizationAware
-
-            self.qat = QuantizationAware(self.model, *quantization_aware)
+        self.exact = _exact_forward(self.model, self.dist, self.peft) if side.exact else None
+        #: the rollout's quantizer on the forward (unison/quant.py), one per (format, group size) asked for; the
+        #: side's own is on, others only under :meth:`as_side`
+        self._quantizers: dict[tuple[str, int], object] = {}
         #: MoE: record the learner's expert choices (router disagreement); replay the rollout's
         self.moe = bool(moe.routers(self.model))
-        self.routing_replay = routing_replay and self.moe
         #: several responses per row without padding (train.packing), and why it does less than asked here
         #: (None: one attention call per packed response)
-        self.packing, self.packing_note = packing_plan(self.model, packing, self.moe, exact)
-        if activation_checkpointing:
+        self.packing, self.packing_note = packing_plan(self.model, options.packing, self.moe, side.exact)
+        if options.activation_checkpointing:
             for layer in decoder_layers(self.model):
                 _checkpoint_layer(layer)
-        #: the decoder layers compiled by Inductor (``compile``, unison/compilation.py): one graph for all of them
-        self.compiled = compile
-        for layer in decoder_layers(self.model) if compile else []:
-            _compile_layer(layer)
-            layer._compiled_call_impl = layer._unison_compiled
         self.sharded = self.dist.enabled
-        #: parameters cast to the compute dtype for the forward, no autocast (FSDP2's mixed precision
-        #: under torchrun; one process does the same cast itself). Else fp32 parameters under autocast.
-        self.cast_params = param_dtype == "compute" and compute_dtype != torch.float32
+        #: a quantization-aware learner with LoRA merges its own adapters into what it quantizes
+        self._merges_own_adapters = self.peft is not None and side.quantization != "none"
+        self.side = Side(dtype=side.dtype, params=side.params, exact=side.exact, gemm=side.gemm,
+                         routing_replay=False)  # the plain forward; :meth:`_apply` puts the side's knobs on
+        self._apply(side)
         if self.sharded:
             full = {k: v for k, v in self.model.state_dict().items()} if not shell else {}
             shard(self.forward_module, decoder_layers(self.model), self.dist,
-                  param_dtype=compute_dtype if self.cast_params else None)
+                  param_dtype=side.dtype if side.cast_params else None)
             if shell:
                 self.forward_module.to_empty(device=self.device)
             self.load_full_state_dict(full)  # rank 0's weights, broadcast shard by shard
@@ -410,13 +107,85 @@ class Scorer:
             for _, buf in sorted(self.forward_module.named_buffers()):  # rotary tables etc. (not in the state dict)
                 tdist.broadcast(buf, src=0)
 
+    # ---------------------------------------------------------------- batching (ScoringOptions), settable
+    def _set_option(self, **kw) -> None:
+        self.options = replace(getattr(self, "options", None) or ScoringOptions(), **kw)
+
+    micro_batch_size = property(lambda self: self.options.micro_batch_size,
+                                lambda self, v: self._set_option(micro_batch_size=v))
+    micro_batch_tokens = property(lambda self: self.options.micro_batch_tokens,
+                                  lambda self, v: self._set_option(micro_batch_tokens=v))
+    logprob_chunk = property(lambda self: self.options.logprob_chunk, lambda self, v: self._set_option(logprob_chunk=v))
+
+    # ---------------------------------------------------------------- numerics
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.side.dtype
+
+    @property
+    def qat(self):
+        """The quantizer on the forward now (``train.quantization_aware`` or :meth:`as_side`), or None."""
+        if self.side.quantization == "none":
+            return None
+        return self._quantizers.get((self.side.quantization, self.side.group_size))
+
+    @property
+    def quantization_aware(self) -> bool:
+        return self.side.quantization != "none"
+
+    @property
+    def routing_replay(self) -> bool:
+        return self.side.routing_replay and self.moe
+
+    @property
+    def compiled(self) -> bool:
+        return self.side.compiled
+
+    def quantizer(self, fmt: str, group_size: int):
+        """The quantizer of ``fmt`` on this scorer's forward (made, switched off, the first time asked)."""
+        from unison.quant import QuantizationAware
+
+        key = (fmt, group_size)
+        if key not in self._quantizers:
+            self._quantizers[key] = QuantizationAware(self.model, fmt, group_size)
+            self._quantizers[key].enabled = False
+        return self._quantizers[key]
+
+    def _apply(self, side: Side) -> None:
+        """Compute as ``side`` from now on: its quantizer on and the others off, its layers compiled or eager. The
+        exact forward and, when sharded, the parameter cast are fixed when the scorer is built."""
+        if side.exact != (self.exact is not None):
+            raise ValueError("a scorer's exact forward is decided when it is built")
+        if self.sharded and side.cast_params != self.side.cast_params:
+            raise ValueError("FSDP2 casts the parameters as it was built: another parameter dtype needs another scorer")
+        active = self.quantizer(side.quantization, side.group_size) if side.quantization != "none" else None
+        for q in self._quantizers.values():
+            q.enabled = q is active
+        if side.compiled != self.side.compiled or (side.compiled and not _is_compiled(self.model)):
+            for layer in decoder_layers(self.model):
+                if side.compiled and getattr(layer, "_unison_compiled", None) is None:
+                    _compile_layer(layer)
+                layer._compiled_call_impl = layer._unison_compiled if side.compiled else None
+        self.side = side
+
+    @contextlib.contextmanager
+    def as_side(self, side: Side):
+        """Score as ``side`` while the context is open (the mismatch ledger's "as the engine ran", the probe's
+        variants), then as before."""
+        saved = self.side
+        self._apply(side)
+        try:
+            yield self
+        finally:
+            self._apply(saved)
+
     # ---------------------------------------------------------------- forward
     def _numerics(self):
         """(autocast dtype, parameter cast) of the learner's forward: fp32 parameters under autocast,
         or parameters cast to the compute dtype (FSDP2 casts itself when sharded)."""
-        if not self.cast_params:
-            return self.compute_dtype, None
-        return torch.float32, (None if self.sharded else self.compute_dtype)
+        if not self.side.cast_params:
+            return self.side.dtype, None
+        return torch.float32, (None if self.sharded else self.side.dtype)
 
     def _packed_forward(self, batch: RolloutBatch, rows: torch.Tensor, W: int, return_entropy: bool):
         """``train.packing``: the micro-batch's rows without their padding, one after another in a single
@@ -429,7 +198,7 @@ class Scorer:
         support = self._support(batch, rows, W)
         dt, cast = self._numerics()
         lp, ent = token_logprobs(self.forward_module, tokens, None, self.temperature, dt, self.device,
-                                 return_entropy=True, positions=resp, chunk=self.logprob_chunk, cast_to=cast,
+                                 return_entropy=True, positions=resp, chunk=self.options.logprob_chunk, cast_to=cast,
                                  position_ids=pos, support=support[keep][None] if support is not None else None)
         keep = keep.to(lp.device)
         out = torch.zeros((len(rows), W), dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp[0])
@@ -440,14 +209,14 @@ class Scorer:
     def _support(self, batch: RolloutBatch, rows: torch.Tensor, W: int) -> torch.Tensor | None:
         """Sampling-mask replay (``rollout.replay_sampling_mask``): the support sizes the engine recorded for
         ``rows`` (top-p / top-k sampling), or None (the full distribution)."""
-        if not self.replay_sampling_mask or "support" not in batch.extras:
+        if not self.side.support_replay or "support" not in batch.extras:
             return None
         return batch.extras["support"][rows, :W]
 
     def _width(self, batch: RolloutBatch, rows: torch.Tensor) -> int:
         """The columns a micro-batch needs: its own longest row (right-padded layout), or the whole
         layout (exact mode, and when micro-batches are counted in rows: today's numerics)."""
-        if self.exact is not None or self.micro_batch_tokens is None:
+        if self.exact is not None or self.options.micro_batch_tokens is None:
             return batch.tokens.shape[1]
         return int(batch.attention_mask[rows].sum(-1).max())
 
@@ -461,18 +230,18 @@ class Scorer:
             from unison.exact import learner_logprobs
 
             with self.qat.swapped(self.model) if self.qat is not None else contextlib.nullcontext():
-                weights = self.exact.weights(self.compute_dtype)
+                weights = self.exact.weights(self.side.dtype)
             lp, ent = learner_logprobs(self.exact, weights,
                                        batch.tokens[rows].to(self.device),
                                        batch.attention_mask[rows].to(self.device).bool(),
                                        batch.response_mask[rows].to(self.device), self.temperature,
-                                       self.logprob_chunk, return_entropy)
+                                       self.options.logprob_chunk, return_entropy)
             return (lp, ent) if return_entropy else lp
         W = self._width(batch, rows)
         if self.packing:
             return self._packed_forward(batch, rows, W, return_entropy)
         args = (batch.tokens[rows, :W], batch.attention_mask[rows, :W], self.temperature)
-        kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.logprob_chunk,
+        kw = dict(return_entropy=return_entropy, positions=batch.response_mask[rows, :W], chunk=self.options.logprob_chunk,
                   support=self._support(batch, rows, W), teacher=teacher)
         dt, kw["cast_to"] = self._numerics()
         if not self.moe:
@@ -491,8 +260,9 @@ class Scorer:
         """Each rank's micro-batches of ``rows`` (:func:`unison.batch.micro_batches`): a token budget needs the
         batch's lengths; exact mode keeps its fixed layout (row counts only)."""
         lengths = batch.attention_mask.sum(-1) if batch is not None and self.exact is None else None
-        return micro_batches(rows, self.dist.world_size, self.micro_batch_size,
-                             self.micro_batch_tokens if lengths is not None else None, lengths, self.packing)
+        o = self.options
+        return micro_batches(rows, self.dist.world_size, o.micro_batch_size,
+                             o.micro_batch_tokens if lengths is not None else None, lengths, self.packing)
 
     # ---------------------------------------------------------------- scoring
     @property
@@ -500,22 +270,21 @@ class Scorer:
         """Whether :meth:`score` takes ``weights`` (one process, full weights; with LoRA, merged weights under the
         base names, as :meth:`export_weights` gives the engine: scored with the adapters off — not with the
         quantization-aware learner, which merges the layer's own adapters into what it quantizes)."""
-        return not self.sharded and (self.peft is None or self.qat is None)
+        return not self.sharded and (self.peft is None or not self._merges_own_adapters)
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch, weights: dict[str, torch.Tensor] | None = None, *,
-              temperature: float | None = None, replay_sampling_mask: bool | None = None,
-              routing_replay: bool | None = None, with_routing: bool = False):
-        """log π for every position of ``batch.tokens`` ([B, L], fp32, 0 off-response).
+              temperature: float | None = None, with_routing: bool = False):
+        """log π for every position of ``batch.tokens`` ([B, L], fp32, 0 off-response), as the scorer's side
+        computes it (:meth:`as_side` for another).
 
         Collective when sharded: each rank scores its share, every rank gets the whole tensor.
         ``weights`` (HF names -> fp32 tensors, e.g. an older policy version): score under those
-        instead of the learner's own, without copying them (one process only). ``temperature``,
-        ``replay_sampling_mask`` and ``routing_replay`` override this scorer's own for the call (the mismatch
-        ledger scores "as the engine ran"). ``with_routing``: ``(log π, the experts it chose [B, L, layers, k]
-        or None for a dense model)``.
+        instead of the learner's own, without copying them (one process only). ``temperature``: another than
+        the scorer's for the call (a server's probe log-probs are at 1). ``with_routing``: ``(log π, the experts it
+        chose [B, L, layers, k] or None for a dense model)``.
         """
-        with self._options(temperature, replay_sampling_mask, routing_replay), _swapped(self, weights):
+        with self._temperature(temperature), _swapped(self, weights):
             self.model.eval()
             shares = self._shares(torch.arange(batch.size), batch)
             mine = shares[self.dist.rank]
@@ -532,18 +301,14 @@ class Scorer:
         return (logp, moe.gather_routing(routing, self.dist)) if with_routing else logp
 
     @contextlib.contextmanager
-    def _options(self, temperature, replay_sampling_mask, routing_replay):
-        saved = (self.temperature, self.replay_sampling_mask, self.routing_replay)
+    def _temperature(self, temperature: float | None):
+        saved = self.temperature
         if temperature is not None:
             self.temperature = temperature
-        if replay_sampling_mask is not None:
-            self.replay_sampling_mask = replay_sampling_mask
-        if routing_replay is not None:
-            self.routing_replay = routing_replay and self.moe
         try:
             yield
         finally:
-            self.temperature, self.replay_sampling_mask, self.routing_replay = saved
+            self.temperature = saved
 
     # ----------------------------------------------------------------- export
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -595,22 +360,9 @@ class Scorer:
                                                       broadcast_from_rank0=self.dist.enabled))
 
 
-@contextlib.contextmanager
-def compiled_as(scorer: Scorer, on: bool):
-    """The scorer's decoder layers compiled by Inductor (``on``) or eager while the context is open, whatever the
-    scorer runs otherwise (``compile``): the learner scoring "as the engine ran" for the mismatch ledger's
-    ``compile`` term and ``unison probe --compile``. An eager scorer's layers are compiled at the first such use."""
-    layers = decoder_layers(scorer.model)
-    saved = [layer._compiled_call_impl for layer in layers]
-    try:
-        for layer in layers:
-            if on and getattr(layer, "_unison_compiled", None) is None:
-                _compile_layer(layer)
-            layer._compiled_call_impl = layer._unison_compiled if on else None
-        yield
-    finally:
-        for layer, impl in zip(layers, saved):
-            layer._compiled_call_impl = impl
+def _is_compiled(model) -> bool:
+    layers = decoder_layers(model)
+    return bool(layers) and layers[0]._compiled_call_impl is not None
 
 
 def _compile_layer(layer: torch.nn.Module) -> None:

@@ -8,11 +8,10 @@ sequence log-ratio and its fitted slope against response length.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -23,12 +22,14 @@ from unison.batch import collate
 from unison.data_io import atomic_write_text, read_jsonl
 from unison.errors import UnisonError
 from unison.learner import Learner
+from unison.policy import ScoringOptions
 from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
 from unison.models import load_tokenizer, model_config, resolve_model_dir
 from unison.precision import Precision, parse_precision
 from unison.quant import check_format_available, parse_quantization
 from unison.rollout import SamplingParams, check_engine_available, generate, make_engine, parse_engine
-from unison.rollout.base import WeightUpdate
+from unison.sides import Side
+from unison.sync import sync
 
 
 @dataclass
@@ -259,190 +260,268 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     return ProbeInputs(model_dir, precisions, engines, quantizations, prompts, tokenizer, prompt_ids, task, items)
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One engine run of the probe: the engine and its numerics (precision, weight format, exact, compiled), how it
+    samples (top-p, top-k) and the LoRA rank of the learner whose merged weights it holds. The learner then scores
+    the same tokens once per :meth:`variants` Side."""
+
+    engine: str
+    precision: Precision
+    quantization: str
+    exact: bool
+    top_p: float
+    top_k: int
+    compile: str
+    lora_rank: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_p < 1.0 or bool(self.top_k)
+
+    @property
+    def tags(self) -> tuple[str, str, str]:
+        """(weights, sampling, compile/LoRA) parts of the arm's label."""
+        q = "" if self.quantization == "none" else f"/{self.quantization}"
+        t = "".join([f"/top-p {self.top_p:g}" if self.top_p < 1.0 else "", f"/top-k {self.top_k}" if self.top_k else ""])
+        c = ("" if self.compile == "off" else f"/compile {self.compile}") + (f"/LoRA r{self.lora_rank}" if self.lora_rank
+                                                                             else "")
+        return q, t, c
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine}{'-exact' if self.exact else ''}/{self.precision.label}{''.join(self.tags)}"
+
+    def engine_side(self, cfg: ProbeConfig) -> Side:
+        from unison.compilation import sides
+
+        return Side(dtype=self.precision.rollout_dtype, quantization=self.quantization,
+                    group_size=cfg.quant_group_size, routing_replay=True, compiled=bool(sides(self.compile)[0]),
+                    exact=self.exact)
+
+    def learner_side(self, cfg: ProbeConfig, params: str = "fp32", quantized: bool = False,
+                     replay: bool = False) -> Side:
+        from unison.compilation import sides
+
+        return Side(dtype=self.precision.learner_dtype, params=params,
+                    quantization=self.quantization if quantized else "none", group_size=cfg.quant_group_size,
+                    support_replay=replay, compiled=bool(sides(self.compile)[1]), exact=self.exact)
+
+    def variants(self, cfg: ProbeConfig) -> list[tuple[str, bool, bool]]:
+        """(parameter dtype, quantization-aware, sampling-mask replay) of each scoring: the parameter dtypes asked
+        for (exact mode: the compute dtype, as its engine), with and without the quantizer
+        (``--quantization-aware``; exact mode: with it), with and without replay (truncated arms)."""
+        quantized = self.quantization != "none"
+        return [(pd, qa, rp) for pd in (["compute"] if self.exact else cfg.param_dtypes)
+                for qa in ([True] if self.exact and quantized else
+                           [False, True] if cfg.quantization_aware and quantized else [False])
+                for rp in ([False, True] if self.truncated else [False])]
+
+
+def probe_arms(cfg: ProbeConfig, inputs: ProbeInputs) -> list[Arm]:
+    """Every (engine, precision, weights, sampling, compile, LoRA rank) arm, then the exact arms (``--exact``)."""
+    arms = [Arm(e, Precision.resolve(p), q, False, tp, tk, c, r) for e in inputs.engines for p in inputs.precisions
+            for q in inputs.quantizations for tp in cfg.top_ps for tk in cfg.top_ks for c in cfg.compiles
+            for r in cfg.lora_ranks]
+    if cfg.exact:
+        quants = [q for q in inputs.quantizations if q == "none" or cfg.quantization_aware]
+        arms += [Arm("native", Precision.resolve(p), q, True, 1.0, 0, "off", 0) for p in inputs.precisions
+                 for q in quants]
+    return arms
+
+
+@dataclass
+class Sampled:
+    """What an arm's engine gave: the batch, its completions, the seconds it took, the engine's own prefill re-score
+    (``--ledger``) and its side of ``--locate``."""
+
+    batch: object
+    completions: list
+    rollout_s: float
+    params: SamplingParams
+    pad_id: int = 0
+    rescored: torch.Tensor | None = None
+    traced: object = None
+    engine_ops: object = None
+
+
+class _Learners:
+    """The learners an arm scores with, each built once: the plain one, one per LoRA rank (adapters drawn at a
+    trained scale), the exact one (with this CPU's kernels checked)."""
+
+    def __init__(self, cfg: ProbeConfig, model_dir, width: int):
+        self.cfg, self.model_dir, self.width = cfg, model_dir, width
+        self.options = ScoringOptions(device=cfg.device, temperature=cfg.temperature)
+        self.plain = Learner(model_dir, options=self.options)
+        self.adapted: dict[int, Learner] = {}
+        self.exact, self.exact_ops = None, None
+
+    def for_arm(self, arm: Arm) -> Learner:
+        if arm.exact:
+            return self.exact
+        if arm.lora_rank:
+            if arm.lora_rank not in self.adapted:
+                self.adapted[arm.lora_rank] = _lora_learner(self.model_dir, self.cfg, arm.lora_rank)
+            return self.adapted[arm.lora_rank]
+        return self.plain
+
+    def build_exact(self, precisions: list[str]) -> None:
+        from unison.exact import check_supported, self_check
+
+        check_supported(model_config(self.model_dir), "--exact")
+        self.exact = Learner(self.model_dir, Side(exact=True), self.options)
+        self.exact_ops = self_check(self.exact.exact, {Precision.resolve(p).rollout_dtype for p in precisions},
+                                    self.width + self.cfg.max_new_tokens)
+
+
 def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """Run every arm; return ``{"results": [...], "config": ..., "samples": ...}``.
 
-    An arm is (engine, precision, quantization, exact, top-p, top-k): one engine samples, then the
-    learner scores the same tokens once per variant — parameter dtype, with and without the quantizer
-    (``--quantization-aware``), with and without sampling-mask replay (truncated arms).
-    ``samples`` (token probabilities and per-response log-ratios, for plots) is not part of ``probe.json``.
+    An arm (:class:`Arm`): one engine samples, then the learner scores the same tokens once per variant — parameter
+    dtype, with and without the quantizer (``--quantization-aware``), with and without sampling-mask replay
+    (truncated arms). ``samples`` (token probabilities and per-response log-ratios, for plots) is not part of
+    ``probe.json``.
     """
     inputs = validate(cfg)
-    model_dir, precisions, engines = inputs.model_dir, inputs.precisions, inputs.engines
-    prompts, prompt_ids = inputs.prompts, inputs.prompt_ids
-    learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature)
-    width = max(len(p) for p in prompt_ids)
-    sampling = [(tp, tk) for tp in cfg.top_ps for tk in cfg.top_ks]
-    arms = [(e, p, q, False, tp, tk, c, r) for e in engines for p in precisions for q in inputs.quantizations
-            for tp, tk in sampling for c in cfg.compiles for r in cfg.lora_ranks]
-    exact_learner = None
+    width = max(len(p) for p in inputs.prompt_ids)
+    learners = _Learners(cfg, inputs.model_dir, width)
     if cfg.exact:
-        if "native" not in engines:
+        if "native" not in inputs.engines:
             raise UnisonError("--exact needs the native engine: add native to --engine")
-        from unison.exact import check_supported
-
-        check_supported(model_config(model_dir), "--exact")
-        exact_learner = Learner(model_dir, device=cfg.device, temperature=cfg.temperature, exact=True)
-        from unison.exact import self_check
-
-        exact_ops = self_check(exact_learner.exact, {Precision.resolve(p).rollout_dtype for p in precisions},
-                               width + cfg.max_new_tokens)
-        exact_quants = [q for q in inputs.quantizations if q == "none" or cfg.quantization_aware]
-        arms += [("native", p, q, True, 1.0, 0, "off", 0) for p in precisions for q in exact_quants]
-    qat: dict[tuple[int, str], object] = {}
-
-    def quantizer(scorer, fmt):  # one quantization-aware wrapper per (learner, format), off until scoring
-        from unison.quant import QuantizationAware
-
-        key = (id(scorer), fmt)
-        if key not in qat:
-            qat[key] = QuantizationAware(scorer.model, fmt, cfg.quant_group_size)
-            qat[key].enabled = False
-        return qat[key]
-
+        learners.build_exact(inputs.precisions)
     results, samples, timings = [], [], []
-    from unison.compilation import sides
-    from unison.policy import compiled_as
-
-    adapted: dict[int, Learner] = {}
-
-    def lora_learner(rank: int) -> Learner:  # one learner per rank, its adapters drawn once
-        if rank not in adapted:
-            adapted[rank] = _lora_learner(model_dir, cfg, rank)
-        return adapted[rank]
-
-    for engine_name, prec_name, quant, exact, top_p, top_k, comp, rank in arms:
-        prec = Precision.resolve(prec_name)
-        qtag = "" if quant == "none" else f"/{quant}"
-        ttag = "".join([f"/top-p {top_p:g}" if top_p < 1.0 else "", f"/top-k {top_k}" if top_k else ""])
-        ctag = ("" if comp == "off" else f"/compile {comp}") + (f"/LoRA r{rank}" if rank else "")
-        engine_compiled, learner_compiled = sides(comp)
-        label = f"{engine_name}{'-exact' if exact else ''}/{prec.label}{qtag}{ttag}{ctag}"
-        log(f"[probe] {label}: loading engine ({prec.rollout}{', weights ' + quant if qtag else ''})")
-        engine = make_engine(engine_name, model_dir, prec.rollout_dtype, device=cfg.device,
-                             seed=cfg.seed, exact=exact, prompt_width=width if exact else None,
-                             quantization=quant, quant_group_size=cfg.quant_group_size,
-                             max_len=width + cfg.max_new_tokens,  # vLLM reserves this context, not the model's
-                             compile=engine_compiled)
-        try:  # closed before scoring and before the next arm's engine, whatever happens (a vLLM engine holds its
-            # share of the GPU until then)
-            pad_id = engine.pad_id
-            if rank:  # the merged weights W + (α/r)·B·A, as a LoRA run's sync gives the engine
-                engine.sync_weights(WeightUpdate(lora_learner(rank).export_weights(engine.weight_dtype)))
-            if exact:
-                engine.exact.ops = exact_ops
-            params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                                    seed=cfg.seed, top_p=top_p, top_k=top_k)
-            log(f"[probe] {label}: sampling {len(prompt_ids)} prompts x {cfg.n} "
-                f"(max {cfg.max_new_tokens} new tokens)")
-            t0 = time.perf_counter()
-            completions = generate(engine, inputs.task.episodes(inputs.items) if inputs.task else prompt_ids, params)
-            t_roll = time.perf_counter() - t0
-            batch = collate(completions, pad_id, layout=(width, width + cfg.max_new_tokens) if exact else None)
-            rescored = engine.score(batch, params) if cfg.ledger and not exact else None  # the decode term
-            traced = None
-            if cfg.locate and not exact:  # the engine's side of --locate, before the engine closes
-                from unison import locate
-
-                traced = batch.select(list(range(min(cfg.locate_rows, batch.size))))
-                engine_ops = locate.engine_trace(engine, traced, cfg.temperature)
-        finally:
-            engine.close()
-            del engine
-        scorer = exact_learner if exact else lora_learner(rank) if rank else learner
-        scorer.compute_dtype = prec.learner_dtype
-        mask = batch.response_mask
-        truncated = top_p < 1.0 or bool(top_k)
-        variants = [(pd, qa, rp) for pd in (["compute"] if exact else cfg.param_dtypes)
-                    for qa in ([True] if exact and quant != "none" else
-                               [False, True] if cfg.quantization_aware and quant != "none" else [False])
-                    for rp in ([False, True] if truncated else [False])]
-        for pd, qa, replay in variants:
-            vtag = "".join([", quantization-aware" if qa else "", ", sampling-mask replay" if replay else ""])
-            log(f"[probe] {label}: scoring {batch.num_response_tokens} tokens with the learner "
-                f"(parameters: {pd}{vtag})")
-            scorer.cast_params = pd == "compute" and prec.learner_dtype != torch.float32
-            wrapper = quantizer(scorer, quant) if qa else None
-            scorer.qat = wrapper
-            if wrapper is not None:
-                wrapper.enabled = True
-            scoring = contextlib.ExitStack()  # the learner compiled or eager as the arm says, closed in `finally`
-            try:
-                t0 = time.perf_counter()
-                moe_routing = scorer.moe and "routing" in batch.extras
-                if comp != "off":
-                    scoring.enter_context(compiled_as(scorer, learner_compiled))
-                scored = scorer.score(batch, replay_sampling_mask=replay, routing_replay=False,
-                                      with_routing=moe_routing)
-                logp_pi, routing = scored if moe_routing else (scored, None)
-                t_score = time.perf_counter() - t0
-                metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
-                if inputs.task is not None:  # episodes: their shape, and what re-tokenizing them would train on
-                    from unison.retokenize import retokenize_metrics
-                    from unison.tasks.env import episode_metrics
-
-                    metrics.update(episode_metrics([c.episode for c in completions]))
-                    metrics.update(retokenize_metrics(scorer, completions, inputs.task.template, pad_id))
-                if moe_routing:  # MoE: routing flips, and replaying them
-                    metrics["mismatch/router_disagreement"] = moe.disagreement(batch.extras["routing"], routing, mask)
-                    replayed = mismatch_metrics(scorer.score(batch, replay_sampling_mask=replay, routing_replay=True),
-                                                batch.logp_mu, mask)
-                    for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
-                        metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
-            finally:
-                scoring.close()
-                if wrapper is not None:
-                    wrapper.enabled = False
-                scorer.qat = None
-            seq_lr = seq_log_ratio(logp_pi, batch.logp_mu, mask)
-            lengths = batch.response_lens
-            results.append({
-                **({"task": cfg.task} if cfg.task else {}),
-                "engine": engine_name,
-                "precision": prec.label,
-                "quantization": quant,
-                "param_dtype": pd,
-                "exact": exact,
-                "quantization_aware": qa,
-                "top_p": top_p,
-                "top_k": top_k,
-                "replay_sampling_mask": replay,
-                "compile": comp,
-                "lora_rank": rank,
-                **metrics,
-                "num_responses": batch.size,
-                "mean_response_length": float(lengths.float().mean()),
-                "truncated_fraction": float(batch.truncated.float().mean()),
-                "seq_log_ratio_slope_per_1k": length_slope(seq_lr, lengths),
-            })
-            sel = mask.bool()
-            tag = qtag + ("/QAT" if qa else "") + ttag + ("/replay" if replay else "") + ctag
-            samples.append({"engine": engine_name + ("-exact" if exact else ""),
-                            "precision": (prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}") + tag,
-                            "p_pi": logp_pi[sel].exp().tolist(), "p_mu": batch.logp_mu[sel].exp().tolist(),
-                            "seq_log_ratio": seq_lr.tolist(), "lengths": lengths.tolist()})
-            timings.append({"engine": engine_name, "precision": prec.label, "quantization": quant, "rollout_s": t_roll,
-                            "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
-                            "rollout_tokens_per_s": batch.num_response_tokens / max(t_roll, 1e-9)})
-        if traced is not None:  # --locate, against the plain learner in the arm's compute dtype
-            scorer.cast_params, scorer.qat = False, None
-            found = locate.compare(engine_ops, locate.learner_trace(scorer, traced, cfg.temperature), traced,
-                                   prec.rollout_dtype, len(scorer.model.model.layers))
-            row = results[len(results) - len(variants)]
-            row["locate"] = {"arm": locate.arm_label(row), **found}
-            log(f"[probe] {label}: engine and learner first part at "
-                f"{found['first_above'] or 'no op (every op within its rounding)'}; full-vocabulary KL "
-                f"{found['full_kl_mean']:.3g} per position (max {found['full_kl_max']:.3g})")
-            del engine_ops
-        if rescored is not None:  # the ledger, against the arm's first row: the plain learner (no QAT, no replay)
-            results[len(results) - len(variants)].update(
-                _ledger(scorer, batch, rescored, quant, truncated, cfg, quantizer(scorer, quant) if quant != "none" else None,
-                        cast=cfg.param_dtypes[0] == "compute" and prec.learner_dtype != torch.float32,
-                        compiled=(bool(engine_compiled), bool(learner_compiled))))
-    config = {**asdict(cfg), "model": str(model_dir) if cfg.model else "builtin:tiny",
-              "precisions": precisions, "engines": engines, "quantizations": inputs.quantizations,
-              "num_prompts": len(prompts)}
+    for arm in probe_arms(cfg, inputs):
+        sampled = _sample(arm, cfg, inputs, width, learners, log)
+        scorer = learners.for_arm(arm)
+        first = len(results)
+        for pd, qa, replay in arm.variants(cfg):
+            row, sample, timing = _score(arm, cfg, inputs, scorer, sampled, pd, qa, replay, log)
+            results.append(row)
+            samples.append(sample)
+            timings.append(timing)
+        if sampled.traced is not None:  # --locate, against the plain learner in the arm's compute dtype
+            results[first]["locate"] = _locate(arm, scorer, sampled, results[first], log)
+        if sampled.rescored is not None:  # the ledger, against the arm's first row: the plain learner
+            results[first].update(_ledger(arm, cfg, scorer, sampled))
+    config = {**asdict(cfg), "model": str(inputs.model_dir) if cfg.model else "builtin:tiny",
+              "precisions": inputs.precisions, "engines": inputs.engines, "quantizations": inputs.quantizations,
+              "num_prompts": len(inputs.prompts)}
     return {"results": results, "config": config, "samples": samples, "timings": timings}
+
+
+def _sample(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, width: int, learners: _Learners, log) -> Sampled:
+    """The arm's engine, built, synced (LoRA: the merged weights W + (α/r)·B·A of the arm's learner, as a LoRA run's
+    sync gives them; that learner is built after the engine, whose loading draws from torch's generator as PEFT's
+    initialisation does), sampling every prompt ``cfg.n`` times, then closed — before scoring and before the next
+    arm's engine, whatever happens (a vLLM engine holds its share of the GPU until then)."""
+    log(f"[probe] {arm.label}: loading engine ({arm.precision.rollout}"
+        f"{', weights ' + arm.quantization if arm.quantization != 'none' else ''})")
+    engine = make_engine(arm.engine, inputs.model_dir, arm.engine_side(cfg), device=cfg.device, seed=cfg.seed,
+                         prompt_width=width if arm.exact else None,
+                         max_len=width + cfg.max_new_tokens)  # vLLM reserves this context, not the model's
+    try:
+        if arm.lora_rank:
+            sync(engine, learners.for_arm(arm))
+        if arm.exact:
+            engine.exact.ops = learners.exact_ops
+        params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                                seed=cfg.seed, top_p=arm.top_p, top_k=arm.top_k)
+        log(f"[probe] {arm.label}: sampling {len(inputs.prompt_ids)} prompts x {cfg.n} "
+            f"(max {cfg.max_new_tokens} new tokens)")
+        t0 = time.perf_counter()
+        completions = generate(engine, inputs.task.episodes(inputs.items) if inputs.task else inputs.prompt_ids, params)
+        t_roll = time.perf_counter() - t0
+        batch = collate(completions, engine.pad_id, layout=(width, width + cfg.max_new_tokens) if arm.exact else None)
+        out = Sampled(batch, completions, t_roll, params, engine.pad_id)
+        if cfg.ledger and not arm.exact:  # the decode term
+            out.rescored = engine.score(batch, params)
+        if cfg.locate and not arm.exact:  # the engine's side of --locate, before the engine closes
+            from unison import locate
+
+            out.traced = batch.select(list(range(min(cfg.locate_rows, batch.size))))
+            out.engine_ops = locate.engine_trace(engine, out.traced, cfg.temperature)
+        return out
+    finally:
+        engine.close()
+        del engine
+
+
+def _score(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, scorer, sampled: Sampled, pd: str, qa: bool,
+           replay: bool, log) -> tuple[dict, dict, dict]:
+    """One variant of an arm: the learner scores the arm's tokens as ``(pd, qa, replay)`` say; its probe row, its
+    plot samples and its timings."""
+    batch, mask = sampled.batch, sampled.batch.response_mask
+    vtag = "".join([", quantization-aware" if qa else "", ", sampling-mask replay" if replay else ""])
+    log(f"[probe] {arm.label}: scoring {batch.num_response_tokens} tokens with the learner (parameters: {pd}{vtag})")
+    side = arm.learner_side(cfg, pd, qa, replay)
+    t0 = time.perf_counter()
+    moe_routing = scorer.moe and "routing" in batch.extras
+    with scorer.as_side(side):
+        scored = scorer.score(batch, with_routing=moe_routing)
+        logp_pi, routing = scored if moe_routing else (scored, None)
+        t_score = time.perf_counter() - t0
+        metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
+        if inputs.task is not None:  # episodes: their shape, and what re-tokenizing them would train on
+            from unison.retokenize import retokenize_metrics
+            from unison.tasks.env import episode_metrics
+
+            metrics.update(episode_metrics([c.episode for c in sampled.completions]))
+            metrics.update(retokenize_metrics(scorer, sampled.completions, inputs.task.template, sampled.pad_id))
+    if moe_routing:  # MoE: routing flips, and replaying them
+        metrics["mismatch/router_disagreement"] = moe.disagreement(batch.extras["routing"], routing, mask)
+        with scorer.as_side(replace(side, routing_replay=True)):
+            replayed = mismatch_metrics(scorer.score(batch), batch.logp_mu, mask)
+        for key in ("k3", "seq_kl_k3", "prob_diff_mean"):
+            metrics[f"mismatch/{key}_routing_replay"] = replayed[f"mismatch/{key}"]
+    seq_lr = seq_log_ratio(logp_pi, batch.logp_mu, mask)
+    lengths = batch.response_lens
+    prec = arm.precision
+    row = {**({"task": cfg.task} if cfg.task else {}), "engine": arm.engine, "precision": prec.label,
+           "quantization": arm.quantization, "param_dtype": pd, "exact": arm.exact, "quantization_aware": qa,
+           "top_p": arm.top_p, "top_k": arm.top_k, "replay_sampling_mask": replay, "compile": arm.compile,
+           "lora_rank": arm.lora_rank, **metrics, "num_responses": batch.size,
+           "mean_response_length": float(lengths.float().mean()),
+           "truncated_fraction": float(batch.truncated.float().mean()),
+           "seq_log_ratio_slope_per_1k": length_slope(seq_lr, lengths)}
+    sel = mask.bool()
+    qtag, ttag, ctag = arm.tags
+    tag = qtag + ("/QAT" if qa else "") + ttag + ("/replay" if replay else "") + ctag
+    sample = {"engine": arm.engine + ("-exact" if arm.exact else ""),
+              "precision": (prec.label if len(cfg.param_dtypes) == 1 else f"{prec.label}/{pd}") + tag,
+              "p_pi": logp_pi[sel].exp().tolist(), "p_mu": batch.logp_mu[sel].exp().tolist(),
+              "seq_log_ratio": seq_lr.tolist(), "lengths": lengths.tolist()}
+    timing = {"engine": arm.engine, "precision": prec.label, "quantization": arm.quantization,
+              "rollout_s": sampled.rollout_s, "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
+              "rollout_tokens_per_s": batch.num_response_tokens / max(sampled.rollout_s, 1e-9)}
+    return row, sample, timing
+
+
+def _locate(arm: Arm, scorer, sampled: Sampled, row: dict, log) -> dict:
+    """``--locate`` of an arm: where its engine and the plain learner (fp32 parameters, the arm's compute dtype)
+    first part, op by op."""
+    from unison import locate
+
+    with scorer.as_side(Side(dtype=arm.precision.learner_dtype)):
+        found = locate.compare(sampled.engine_ops, locate.learner_trace(scorer, sampled.traced, scorer.temperature),
+                               sampled.traced, arm.precision.rollout_dtype, len(scorer.model.model.layers))
+    log(f"[probe] {arm.label}: engine and learner first part at "
+        f"{found['first_above'] or 'no op (every op within its rounding)'}; full-vocabulary KL "
+        f"{found['full_kl_mean']:.3g} per position (max {found['full_kl_max']:.3g})")
+    return {"arm": locate.arm_label(row), **found}
+
+
+def _ledger(arm: Arm, cfg: ProbeConfig, scorer, sampled: Sampled) -> dict:
+    """The mismatch ledger of one arm: its chain from the engine's log μ to the plain learner's log π (the first
+    parameter dtype asked for, no quantizer, no replay, compiled as the arm says)."""
+    from unison import ledger
+
+    batch = sampled.batch
+    engine, learner = arm.engine_side(cfg), arm.learner_side(cfg, cfg.param_dtypes[0])
+    p = ledger.plan(engine, learner, truncated=arm.truncated, moe=scorer.moe and "routing" in batch.extras,
+                    asynchronous=False, can_rescore=None, can_score_old=True, lora=scorer.peft is not None)
+    led = ledger.Ledger(scorer, p, engine, rescore=lambda sub, version: sampled.rescored)
+    with scorer.as_side(learner):
+        return led.measure(batch, scorer.score(batch), step=0)
 
 
 def _lora_learner(model_dir, cfg: ProbeConfig, rank: int) -> Learner:
@@ -451,7 +530,10 @@ def _lora_learner(model_dir, cfg: ProbeConfig, rank: int) -> Learner:
     from unison.config.schema import LoRAConfig
     from unison.lora import _lora_layers
 
-    lrn = Learner(model_dir, device=cfg.device, temperature=cfg.temperature, lora_cfg=LoRAConfig(rank=rank))
+    with torch.random.fork_rng():  # PEFT initialises A from torch's generator, which each process seeds its own way
+        torch.manual_seed(cfg.seed + 7919 * rank)
+        lrn = Learner(model_dir, options=ScoringOptions(device=cfg.device, temperature=cfg.temperature),
+                      lora=LoRAConfig(rank=rank))
     g = torch.Generator().manual_seed(cfg.seed + 7919 * rank)
     with torch.no_grad():
         for _, layer in _lora_layers(lrn.model):
@@ -460,31 +542,6 @@ def _lora_learner(model_dir, cfg: ProbeConfig, rank: int) -> Learner:
             delta = layer.scaling["default"] * (b @ a)
             b.mul_(LORA_SCALE * layer.base_layer.weight.norm() / delta.norm().clamp(min=1e-30))
     return lrn
-
-
-def _ledger(scorer, batch, rescored, quant: str, truncated: bool, cfg: ProbeConfig, quantizer, cast: bool,
-            compiled: tuple[bool, bool] = (False, False)) -> dict:
-    """The mismatch ledger of one arm: its chain from the engine's log μ to the plain learner's log π (``compiled``:
-    the arm's engine and learner compiled or not)."""
-    from unison import ledger
-    from unison.policy import compiled_as
-
-    scorer.cast_params, scorer.routing_replay, scorer.replay_sampling_mask, scorer.qat = cast, False, False, None
-    moe_run = scorer.moe and "routing" in batch.extras
-    p = ledger.plan(quantized=quant != "none", quantization_aware=False, truncated=truncated, replay_support=False,
-                    moe=moe_run, routing_replay=False, asynchronous=False, can_rescore=None, can_score_old=True,
-                    compile_differs=compiled[0] != compiled[1], lora=scorer.peft is not None)
-    led = ledger.Ledger(scorer, p, quant, cfg.quant_group_size, rescore=lambda sub, version: rescored,
-                        quantizer=quantizer)
-    scorer.compiled = compiled[1]
-    try:
-        with compiled_as(scorer, compiled[1]) if any(compiled) else contextlib.nullcontext():
-            final = scorer.score(batch)
-        out = led.measure(batch, final, step=0)
-    finally:
-        scorer.compiled = False
-    scorer.replay_sampling_mask = True
-    return out
 
 
 def _peak_rss_gib() -> float:

@@ -218,7 +218,8 @@ class QuantizationAware:
                 with torch.autocast(x.device.type, enabled=False):  # merged in fp32, as the engine merges it
                     merged = base.weight + lora.delta(layer)
             q = straight_through(merged, self.fmt, 0 if conv1d else -1, self.group_size)
-            return F.linear(x, q.t() if conv1d else q, base.bias)
+            q = q.t() if conv1d else q  # in the input's dtype: parameters cast to bf16/fp16 (FSDP2's, the probe's
+            return F.linear(x, q.to(x.dtype), base.bias)  # --param-dtype compute) meet an fp32 merge here
         return forward
 
     @contextmanager

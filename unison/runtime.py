@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unison import gemm, threads
-from unison.threads import SMALL_MODEL
+from unison.sides import Machine, config_sides
+from unison.threads import SMALL_MODEL, cpu_name  # noqa: F401 - cpu_name: re-exported
 
 
 @dataclass(frozen=True)
@@ -51,20 +52,6 @@ def model_sizes(model_dir) -> ModelSizes:
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
     return ModelSizes(int(hidden), int(inter), sum(p.numel() for p in shell.parameters()),
                       int(getattr(cfg, "vocab_size", 0) or 0))
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo; the platform's processor elsewhere): what a per-machine measurement is
-    kept under and what a benchmark reports."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def small_model(model) -> bool:
@@ -120,3 +107,27 @@ def setup(threads_setting, gemm_setting, model_dir, device: str = "cpu", world_s
                    world_size=world_size, fp32=fp32, engine_fp32=engine_fp32, decode_rows=decode_rows,
                    vocab=sizes.vocab, log=log)
     return Runtime(t, g, sizes)
+
+
+def decide(cfg, model_dir, prec, shape, world_size: int = 1, gemm_setting=None, compile_setting=None,
+           log=None) -> Machine:
+    """The run's :class:`~unison.sides.Machine`, decided once before any model is loaded: the threads, each side's
+    matmul library (:func:`setup`) and compilation (unison/compilation.py), and the two
+    :class:`~unison.sides.Side` s they make with the config's other knobs (``prec``: the resolved precision;
+    ``shape``: the run's shapes, :func:`unison.compilation.run_shape`). ``gemm_setting`` / ``compile_setting``:
+    the settings to decide from (a resumed run's recorded choices), the config's by default."""
+    import torch
+
+    from unison import compilation
+
+    native = cfg.engine == "native"
+    rt = setup(cfg.threads, gemm_setting or cfg.gemm, model_dir, device=cfg.device, world_size=world_size,
+               fp32=prec.learner_dtype == torch.float32, engine_fp32=native and prec.rollout_dtype == torch.float32,
+               decode_rows=shape.rows)
+    comp = compilation.decide(compile_setting or cfg.compile, model_dir, rt.sizes.params, shape, exact=cfg.exact,
+                              world_size=world_size, device=cfg.device, engine_native=native,
+                              engine_packed=rt.gemm.engine == "onednn" and prec.rollout_dtype == torch.float32,
+                              quantization_aware=cfg.train.quantization_aware, log=log)
+    engine, learner = config_sides(cfg, prec, world_size, gemm=(rt.gemm.engine, rt.gemm.name),
+                                   compiled=(comp.engine, comp.learner))
+    return Machine(rt.threads, engine, learner, rt.gemm, comp, rt.sizes)

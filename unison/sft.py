@@ -19,7 +19,7 @@ import torch
 from unison import runtime
 from unison.filter import pass_rates
 from unison.optim import adamw
-from unison.policy import token_logprobs
+from unison.logprobs import token_logprobs
 from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir, unknown_characters
 from unison.rollout import make_engine
 from unison.schedules import LRSchedule

@@ -34,7 +34,8 @@ def startup_lines(tr) -> list[str]:
                f"{plural(t.prompts_per_step, 'prompt')} x {plural(r.n, 'sample')} per step, {plural(t.steps, 'step')}; "
                f"precision {tr.prec.label}"
                f"{'' if r.quantization == 'none' else f', rollout weights {r.quantization}'}, engine {cfg.engine}"
-               f"{ahead}, world size {tr.dist.world_size}; {tr.threads}; {tr.gemm}; {tr.compiled}")
+               f"{ahead}, world size {tr.dist.world_size}; {tr.machine.threads}; {tr.machine.gemm}; "
+               f"{tr.machine.compilation}")
     out.append(f"[train] {method_line(tr)}")
     if tr.ledger is not None:
         p = tr.ledger.plan

@@ -10,7 +10,8 @@ import torch
 from unison.algorithms.distill import reverse_kl_advantages, reverse_kl_metrics
 from unison.errors import UnisonError
 from unison.models import load_tokenizer, resolve_model_dir
-from unison.policy import Scorer
+from unison.policy import Scorer, ScoringOptions
+from unison.sides import Side
 
 
 def check_tokenizer(teacher_tok, student_tok, teacher: str, student: str) -> None:
@@ -36,10 +37,10 @@ class Teacher:
         # the teacher scores its full distribution: never renormalised over the support the *student* sampled from
         # (top-p / top-k), which would make log π_T = log q(y) − log Σ_{top-c} q and 0 where the student kept one
         # token; a served teacher's prompt log-probs are the full distribution too, so the two paths agree
-        self.scorer = Scorer(self.model_dir, compute_dtype=torch.float32, device=cfg.device,
-                             temperature=cfg.rollout.temperature, dist=dist,
-                             micro_batch_size=cfg.train.micro_batch_size, logprob_chunk=cfg.train.logprob_chunk,
-                             micro_batch_tokens=cfg.train.micro_batch_tokens, replay_sampling_mask=False)
+        t = cfg.train
+        options = ScoringOptions(cfg.device, cfg.rollout.temperature, t.micro_batch_size, t.micro_batch_tokens,
+                                 t.logprob_chunk)
+        self.scorer = Scorer(self.model_dir, Side(dtype=torch.float32, support_replay=False), options, dist=dist)
         self.scorer.model.requires_grad_(False)
         self.temperature = cfg.rollout.temperature
         self._engine = None  # the teacher's generation path, built the first time the ledger measures it
@@ -57,7 +58,7 @@ class Teacher:
         """The teacher's last hidden states [n, d_T] at the positions the student's forward scores
         (:func:`unison.policy.selected_positions`, in the same order), in fp32 whatever the student's autocast:
         what ``distill.estimator: full`` takes the teacher's next-token distributions from."""
-        from unison.policy import selected_positions
+        from unison.logprobs import selected_positions
 
         lm = self.scorer.model
         kw = {"position_ids": position_ids} if position_ids is not None else {}
@@ -115,7 +116,7 @@ class Teacher:
         if self.scorer.sharded:
             return {}
         if self._engine is None:
-            self._engine = NativeEngine(self.model_dir, torch.float32, device=str(self.scorer.device))
+            self._engine = NativeEngine(self.model_dir, Side(), device=str(self.scorer.device))
         gen = self._engine.score(batch, SamplingParams(temperature=self.temperature))
         mask = batch.response_mask
         return {"ledger/teacher_k1": float(k1(teacher, gen, mask)), "ledger/teacher_k3": float(k3(teacher, gen, mask))}

@@ -38,6 +38,21 @@ from pathlib import Path
 
 from unison.config.values import parse_threads
 
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor elsewhere): what a per-machine measurement is
+    kept under and what a benchmark reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
 #: below this many parameters a model's ops are too small for a second thread to pay (the built-in
 #: tiny model, 0.8M: 1 thread; SmolLM2-135M's matmuls scale with threads); benchmarks/threads.py.
 #: The same class keeps torch's plain paths elsewhere (unison/runtime.py: :func:`small_model`)

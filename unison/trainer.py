@@ -54,6 +54,7 @@ from unison.rollout.source import make_source, step_seed
 from unison.runlog import RunLog, console_line, memory_metrics
 from unison.schedules import MismatchBudgetSchedule, make_schedule
 from unison.startup import startup_lines
+from unison.sync import weights_of
 from unison.tasks import make_reward, make_task
 from unison.tasks.env import model_token_budget, tokens_after_prompt, with_model_tokens
 from unison.telemetry import Mismatch, Watchdogs, batch_metrics, timed
@@ -104,22 +105,13 @@ class Trainer:
         # the run's shapes: a decode step's rows (each rank's share; what the engine's products are measured and
         # packed for) and the learner's micro-batches (what compile's auto times)
         self._shape = compilation.run_shape(cfg, self.prompt_ids, self.dist.world_size)
-        rt = runtime.setup(cfg.threads, resumed_choice(cfg, self.run_dir, "gemm") if resume else cfg.gemm, model_dir,
-                           device=cfg.device, world_size=self.dist.world_size,
-                           fp32=self.prec.learner_dtype == torch.float32,
-                           engine_fp32=cfg.engine == "native" and self.prec.rollout_dtype == torch.float32,
-                           decode_rows=self._shape.rows)
-        self.threads, self.gemm = rt.threads, rt.gemm
-        self.compiled = compilation.decide(
-            resumed_choice(cfg, self.run_dir, "compile") if resume else cfg.compile, model_dir, rt.sizes.params,
-            self._shape, exact=cfg.exact, world_size=self.dist.world_size,
-            device=cfg.device, engine_native=cfg.engine == "native",
-            engine_packed=self.gemm.engine == "onednn" and self.prec.rollout_dtype == torch.float32,
-            quantization_aware=cfg.train.quantization_aware, log=self.log)
-        cfg = self.cfg = cfg.model_copy(update={"gemm": self.gemm.value, "compile": self.compiled.value})
+        m = self.machine = runtime.decide(
+            cfg, model_dir, self.prec, self._shape, self.dist.world_size,
+            gemm_setting=resumed_choice(cfg, self.run_dir, "gemm") if resume else None,
+            compile_setting=resumed_choice(cfg, self.run_dir, "compile") if resume else None, log=self.log)
+        cfg = self.cfg = cfg.model_copy(update={"gemm": m.gemm.value, "compile": m.compilation.value})
         torch.manual_seed(cfg.seed)
-        self.learner = Learner.from_config(cfg, model_dir, self.dist, prec=self.prec, policy=self.policy,
-                                           compile=self.compiled.learner)
+        self.learner = Learner.from_config(cfg, model_dir, self.dist, side=m.learner, policy=self.policy)
         self.learner.max_new_tokens = model_token_budget(cfg)  # Dr.GRPO's normaliser: an episode's model tokens
         self.teacher = None
         if cfg.distill.teacher:  # on-policy distillation: the teacher's engine, its tokenizer checked
@@ -129,9 +121,10 @@ class Trainer:
             if cfg.distill.estimator == "full":  # the learner's loss takes the teacher's whole distribution
                 self.teacher.check_full(self.learner.model.get_output_embeddings().weight.shape[0])
                 self.learner.distill = (self.teacher, cfg.distill.coef)
+        #: the policy's weights as the engines take them (unison/sync.py: the one place learner and engine meet)
+        self.weights = weights_of(self.learner)
         self.source = make_source(cfg, partial(self._make_engine, model_dir), self.task, self.reward,
-                                  self.tokenizer, self.prompt_ids, self.dist, self.learner, model_dir,
-                                  self.prec.rollout_dtype)
+                                  self.tokenizer, self.prompt_ids, self.dist, self.weights, model_dir, m.engine)
         self.engine = self.source.engine  # the in-process engine, or the worker backend (K ≥ 1)
         if self.layout is not None:  # exact mode: this CPU's kernels are checked before anything is written
             from unison.exact import self_check
@@ -140,7 +133,7 @@ class Trainer:
             self.engine.exact.ops = ops
         from unison.ledger import build_ledger
 
-        self.ledger = build_ledger(cfg, self.learner, self.source, model_dir, self.prec.rollout_dtype, exact=cfg.exact)
+        self.ledger = build_ledger(cfg, self.learner, self.source, model_dir, m.engine)
         # ---- the algorithm
         self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass,
                            batch_level=self.policy["correction"] in BATCH_LEVEL,
@@ -173,11 +166,8 @@ class Trainer:
         cfg = self.cfg
         vopts = cfg.vllm.model_dump()
         vopts["sync_dir"] = vopts["sync_dir"] or str(self.run_dir / "weight_sync")
-        return make_engine(cfg.engine, model_dir, self.prec.rollout_dtype, device=str(self.learner.device),
-                           seed=cfg.seed, max_len=self._max_len, exact=cfg.exact,
-                           prompt_width=self.layout[0] if self.layout else None,
-                           quantization=cfg.rollout.quantization,
-                           quant_group_size=cfg.rollout.quant_group_size, compile=self.compiled.engine,
+        return make_engine(cfg.engine, model_dir, self.machine.engine, device=str(self.learner.device),
+                           seed=cfg.seed, max_len=self._max_len, prompt_width=self.layout[0] if self.layout else None,
                            decode_rows=self._shape.rows, **vopts)
 
     # --------------------------------------------------------------- the step
@@ -222,7 +212,7 @@ class Trainer:
             metrics.update(batch_metrics(batch, step))                 #    weights 6 overwrites)
         self.source.wake()
         with timed("time/sync_s", t):
-            sync = self.source.publish(self.learner, step + 1)         # 6. weights to the engine
+            sync = self.source.publish(self.weights, step + 1)         # 6. weights to the engine
         metrics.update({
             **stats.metrics, **self.noise.average(stats.noise_terms), **sync,
             "optim/lr": lr, "optim/loss_scale": self.learner.loss_scale,
@@ -260,7 +250,7 @@ class Trainer:
         metrics["reward/trained_mean"], metrics["optim/steps"] = float("nan"), 0
         self.watch.signal(metrics, None)
         # the weights did not change, but they are version step + 1 now: an engine running ahead waits for it
-        metrics.update(self.source.publish(self.learner, metrics["step"]))
+        metrics.update(self.source.publish(self.weights, metrics["step"]))
         return self._finish_step(metrics, t_step, 0)
 
     def _finish_step(self, metrics: dict, t_step: float, tokens: int) -> dict:

@@ -1,6 +1,6 @@
 """The report of run_lift.sh (issue 52): does distillation lift a student, and which arm leads?
 
-    python experiments/distillation/analyze_lift.py runs/distill_lift docs/experiments/distillation_lift.md
+    python experiments/distillation/analyze_lift.py runs/distill_lift docs/experiments/distillation.md
 
 Reads ``runs/distill_lift/<arm>-s<seed>/metrics.jsonl`` (every arm logs ``reward/mean``, the training reward of the
 student's own samples, and ``distill/reverse_kl_pi``, the per-token reverse-KL estimate to the teacher on them) and

@@ -34,7 +34,8 @@ from unison.batch import collate  # noqa: E402
 from unison.config import load_config  # noqa: E402
 from unison.learner import Learner  # noqa: E402
 from unison.models import load_tokenizer  # noqa: E402
-from unison.policy import Scorer, token_logprobs  # noqa: E402
+from unison.logprobs import token_logprobs  # noqa: E402
+from unison.policy import Scorer, ScoringOptions  # noqa: E402
 from unison.rollout import SamplingParams, make_engine  # noqa: E402
 from unison.rollout.sync import push  # noqa: E402
 from unison.tasks import make_reward, make_task  # noqa: E402
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     learner = Learner.from_config(cfg, a.student)
     teacher_engine = make_engine("native", a.teacher, torch.float32, seed=cfg.seed)
     student_engine = make_engine("native", a.student, torch.float32, seed=cfg.seed)
-    teacher = Scorer(a.teacher, temperature=cfg.rollout.temperature)
+    teacher = Scorer(a.teacher, options=ScoringOptions(temperature=cfg.rollout.temperature))
     t, r = cfg.train, cfg.rollout
     rng = random.Random(cfg.seed)
     rows = []

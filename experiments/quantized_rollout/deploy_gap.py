@@ -28,6 +28,7 @@ from unison.rollout import make_engine  # noqa: E402
 from unison.tasks import make_reward, make_task  # noqa: E402
 
 import torch  # noqa: E402
+from unison.sides import Side
 
 ARMS = ["grpo", "int4-grpo", "int4-gspo", "int4-grpo_token_tis"]
 
@@ -35,7 +36,7 @@ ARMS = ["grpo", "int4-grpo", "int4-gspo", "int4-grpo_token_tis"]
 def accuracy(model_dir: Path, cfg, quantization: str, k: int, seed: int = 1234) -> float:
     task = make_task(cfg.task)
     reward = make_reward(task, cfg.task)
-    engine = make_engine("native", model_dir, torch.float32, quantization=quantization)
+    engine = make_engine("native", model_dir, Side(quantization=quantization))
     torch.manual_seed(seed)
     rates = pass_rates(engine, task, reward, task.train, load_tokenizer(model_dir), k, cfg.rollout.temperature,
                        cfg.rollout.max_new_tokens, seed)

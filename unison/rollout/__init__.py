@@ -7,34 +7,35 @@ learner's scoring code: the gap between the two is what unison measures.
 
 from __future__ import annotations
 
+import torch
+
 from unison.config.values import ENGINES, parse_engine
 from unison.errors import UnisonError
 from unison.gemm import DECODE_ROWS
-from unison.quant import DEFAULT_GROUP
 from unison.rollout.base import RolloutEngine, SamplingParams
+from unison.sides import Side
 
 
 
-def make_engine(name: str, model_dir, dtype, device: str = "cpu", **options) -> RolloutEngine:
-    """Build a rollout engine by name. ``options`` (the ``vllm`` config section) go to the vLLM
-    engines; the native engine takes ``exact``, ``prompt_width``, ``quantization``, ``quant_group_size``,
-    ``compile`` (its layers compiled by Inductor) and ``decode_rows`` (responses per decode step) from them."""
+def make_engine(name: str, model_dir, side: Side | torch.dtype, device: str = "cpu", **options) -> RolloutEngine:
+    """Build a rollout engine by name, computing as ``side`` says (a :class:`~unison.sides.Side`, or a bare dtype).
+    ``options`` (the ``vllm`` config section) go to the vLLM engines, which take the side's dtype; the native
+    engine takes ``prompt_width`` (exact mode's layout) and ``decode_rows`` (responses per decode step)."""
+    side = Side.of(side)
     if name == "native":
         from unison.rollout.native import NativeEngine
 
-        return NativeEngine(model_dir, dtype=dtype, device=device, exact=options.get("exact", False),
-                            prompt_width=options.get("prompt_width"),
-                            quantization=options.get("quantization", "none"),
-                            quant_group_size=options.get("quant_group_size", DEFAULT_GROUP),
-                            compile=options.get("compile", False),
+        return NativeEngine(model_dir, side, device=device, prompt_width=options.get("prompt_width"),
                             decode_rows=options.get("decode_rows", DECODE_ROWS))
     if name == "vllm":
         from unison.rollout.vllm_engine import VLLMEngine
         from unison.rollout.vllm_server import VLLMServerEngine
 
+        options = {k: v for k, v in options.items() if k not in ("prompt_width", "decode_rows")}
+        options["quantization"] = side.quantization
         if options.get("mode") == "server":
-            return VLLMServerEngine(model_dir, dtype=dtype, device=device, **options)
-        return VLLMEngine(model_dir, dtype=dtype, device=device, **options)
+            return VLLMServerEngine(model_dir, dtype=side.dtype, device=device, **options)
+        return VLLMEngine(model_dir, dtype=side.dtype, device=device, **options)
     raise UnisonError(f"unknown engine '{name}': choose one of {', '.join(ENGINES)}")
 
 

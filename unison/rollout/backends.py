@@ -12,7 +12,8 @@ from collections import deque
 import torch
 
 from unison.errors import UnisonError
-from unison.rollout.sync import weight_update
+from unison.rollout.base import Weights
+from unison.sides import Side
 
 
 class NativeWorkerBackend:
@@ -20,30 +21,27 @@ class NativeWorkerBackend:
 
     name = "native"
 
-    def __init__(self, model_dir, dtype, device, cfg, dist, learner):
+    def __init__(self, model_dir, side: Side, device, rollout_cfg, dist, shapes):
+        from unison import gemm
         from unison.rollout.worker import EngineWorker, WorkerSpec
         from unison.threads import budget, give
 
-        r = cfg.rollout
-        cores = budget()  # this process's threads (the run's `threads`), split between the worker and the learner
+        r = rollout_cfg
+        cores = budget()  # this process's threads (the run's `threads`), split between the worker and the trainer
         threads = r.worker_threads or max(1, cores // 2)
-        self.learner_threads = max(1, cores - threads)
-        from unison import gemm
-        from unison.compilation import sides
-
-        spec = WorkerSpec(str(model_dir), dtype, device, r.quantization, r.quant_group_size, threads,
-                          dist.rank, dist.world_size, gemm.current(), compile=bool(sides(cfg.compile)[0]))
-        shapes = learner.export_shapes()  # the ring holds what export_weights(None) yields, in its order
+        self.trainer_threads = max(1, cores - threads)
+        spec = WorkerSpec(str(model_dir), side, device, threads, dist.rank, dist.world_size, gemm.current())
+        # ``shapes``: what the policy's ``Weights.export(None)`` yields, in its order (what the ring holds)
         check_shared_memory(shapes, r.max_staleness + 1, dist)
         self.worker = EngineWorker(spec, shapes, slots=r.max_staleness + 1, timeout_s=r.worker_timeout_s)
         self.pad_id, self.eos_ids = self.worker.pad_id, self.worker.eos_ids
         self.dp_rank, self.dp_size = dist.rank, dist.world_size
-        self.dtype = dtype
+        self.dtype = side.dtype
         self._eval = _EvalIds()
-        give(self.learner_threads)
+        give(self.trainer_threads)
 
-    def publish(self, learner, version: int) -> dict[str, float]:
-        self.worker.publish(version, learner.export_weights(None))
+    def publish(self, weights: Weights, version: int) -> dict[str, float]:
+        self.worker.publish(version, weights.export(None))
         return {}
 
     def weights(self, version: int):
@@ -70,7 +68,7 @@ class NativeWorkerBackend:
 
 
 class ServerBackend:
-    """A vLLM server (``vllm.mode: server``) with requests in flight while the learner trains.
+    """A vLLM server (``vllm.mode: server``) with requests in flight while the trainer updates the policy.
 
     One thread generates the jobs in order. ``wait``: the weight sync of version v runs on that
     thread too, after the jobs submitted before it, so batch j sees exactly version max(0, j − K).
@@ -125,11 +123,11 @@ class ServerBackend:
             q.append(fn)
             self._cv.notify_all()
 
-    def publish(self, learner, version: int) -> dict[str, float]:
-        """Export now (the learner's weights of ``version``), apply in the background; the metrics of
+    def publish(self, weights: Weights, version: int) -> dict[str, float]:
+        """Export now (the policy's weights of ``version``), apply in the background; the metrics of
         the newest sync that has been applied are returned (one step late)."""
         self._raise()
-        prepared = self.engine.prepare_sync(weight_update(self.engine, learner))
+        prepared = self.engine.prepare_sync(weights.update_for(self.engine))
 
         def apply():
             m = self.engine.apply_sync(prepared, in_flight=not self.wait, version=version)
@@ -238,9 +236,9 @@ def _shared_memory_problem(named_shapes, slots: int) -> str | None:
             f"rollout.max_staleness, or give the container more (docker --shm-size)")
 
 
-def _sync_server(engine, learner) -> None:
-    """A vLLM server holds the weights it was started with, or a previous run's last ones: the learner's
+def _sync_server(engine, weights: Weights) -> None:
+    """A vLLM server holds the weights it was started with, or a previous run's last ones: the policy's
     (version 0) reach it before the first batch is sampled. An in-process engine loads the model
-    directory the learner loads, and needs nothing."""
+    directory the trainer loads, and needs nothing."""
     if getattr(engine, "name", "") == "vllm-server":
-        engine.apply_sync(engine.prepare_sync(weight_update(engine, learner)), version=0)
+        engine.apply_sync(engine.prepare_sync(weights.update_for(engine)), version=0)

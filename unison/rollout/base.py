@@ -58,7 +58,7 @@ class RolloutEngine(Protocol):
 
 @dataclass
 class WeightUpdate:
-    """What a weight sync hands an engine, taken from the learner by the rollout source.
+    """What a weight sync hands an engine (:meth:`Weights.update_for`).
 
     ``tensors``: ``(HF name, full tensor)`` in the engine's ``weight_dtype``, streamed (a collective when the
     learner is sharded: every rank consumes it to the end). ``shapes()``: what the stream yields, in its order,
@@ -69,6 +69,35 @@ class WeightUpdate:
     tensors: Iterable[tuple[str, torch.Tensor]]
     shapes: Callable[[], list[tuple[str, tuple[int, ...]]]] | None = None
     probe_logprobs: list[float] | None = None
+
+
+@dataclass
+class Weights:
+    """The policy's weights of one version as every engine can take them, without naming who holds them: what the
+    trainer hands the rollout source (:meth:`~unison.rollout.source.RolloutSource.publish`); built from a learner
+    in :mod:`unison.sync`, the one place the two meet.
+
+    ``export(dtype)``: ``(HF name, full tensor)`` cast to ``dtype`` (``None``: the fp32 masters), streamed — a
+    collective when the learner is sharded, every rank consumes it to the end. ``shapes()``: what ``export`` yields, in
+    its order, nothing materialised. ``probe(ids, pad_id)``: the policy's log-probs (temperature 1) of a probe
+    sequence, for an engine that checks its copy against them (a server). ``device``: where the policy lives."""
+
+    export: Callable[[torch.dtype | None], Iterable[tuple[str, torch.Tensor]]]
+    shapes: Callable[[], list[tuple[str, tuple[int, ...]]]]
+    probe: Callable[[list[int], int], list[float]]
+    device: str = "cpu"
+
+    def update_for(self, engine) -> WeightUpdate:
+        """The :class:`WeightUpdate` ``engine`` takes: the tensors in its ``weight_dtype``, and the probe's log-probs
+        when it checks its copy (collective when sharded: every rank calls it)."""
+        ids = getattr(engine, "probe_ids", None)
+        return WeightUpdate(self.export(engine.weight_dtype), shapes=self.shapes,
+                            probe_logprobs=self.probe(ids, engine.pad_id) if ids else None)
+
+
+def push(engine, weights: Weights) -> dict[str, float]:
+    """Sync ``engine`` to ``weights`` now; the engine's sync metrics."""
+    return engine.sync_weights(weights.update_for(engine))
 
 
 @dataclass(frozen=True)

@@ -30,19 +30,23 @@ from unison.batch import Completion
 from unison.errors import UnisonError
 from unison.exact import ExactForward, full_allowed
 from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
-from unison.quant import DEFAULT_GROUP, check_targets, fake_quantize
+from unison.quant import check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 from unison.rollout.decode import FastWeights, Kernels
+from unison.sides import Side
 
 
 class NativeEngine:
-    """KV-cache sampler over a model held in ``dtype``."""
+    """KV-cache sampler over a model computing as its :class:`~unison.sides.Side` says (``side``: a Side, or a bare
+    dtype): its dtype, weight format (``quantization``, ``group_size``), exact mode and compiled layers."""
 
     name = "native"
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 exact: bool = False, prompt_width: int | None = None, quantization: str = "none",
-                 quant_group_size: int = DEFAULT_GROUP, compile: bool = False, decode_rows: int = gemm.DECODE_ROWS):
+    def __init__(self, model_dir: str | Path, side: Side | torch.dtype = torch.float32, device: str = "cpu",
+                 prompt_width: int | None = None, decode_rows: int = gemm.DECODE_ROWS):
+        self.side = side = Side.of(side)
+        dtype, exact, compile = side.dtype, side.exact, side.compiled
+        quantization, quant_group_size = side.quantization, side.group_size
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)

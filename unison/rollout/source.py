@@ -32,8 +32,8 @@ import torch
 
 from unison.algorithms.advantages import uniform_groups
 from unison.rollout.backends import NativeWorkerBackend, ServerBackend, _sync_server
-from unison.rollout.base import SamplingParams, mix64
-from unison.rollout.sync import push
+from unison.rollout.base import SamplingParams, Weights, mix64, push
+from unison.sides import Side
 
 
 class PromptSampler:
@@ -169,9 +169,9 @@ class RolloutSource:
             out.timings["time/engine_idle_s"] = t_idle
         return out
 
-    def publish(self, learner, version: int) -> dict[str, float]:
-        """The learner's weights after ``version`` updates go to the engine (collective when sharded)."""
-        return push(self.engine, learner)
+    def publish(self, weights: Weights, version: int) -> dict[str, float]:
+        """The policy's weights after ``version`` updates go to the engine (collective when sharded)."""
+        return push(self.engine, weights)
 
     def weights(self, version: int) -> dict[str, torch.Tensor] | None:
         """The weights of an older ``version``, if this source keeps them (for the mismatch split)."""
@@ -181,9 +181,9 @@ class RolloutSource:
         """Nothing in flight between steps: no older version to keep (see :class:`AheadSource`)."""
         return {}
 
-    def resume(self, learner, step: int, kept: dict | None = None) -> None:
-        """After a checkpoint was loaded: the engine takes the learner's weights (version ``step``)."""
-        push(self.engine, learner)
+    def resume(self, weights: Weights, step: int, kept: dict | None = None) -> None:
+        """After a checkpoint was loaded: the engine takes its weights (version ``step``)."""
+        push(self.engine, weights)
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}
@@ -323,8 +323,8 @@ class AheadSource(RolloutSource):
         return ([c for c, k in zip(comps, keep) if k], [x for x, k in zip(rewards, keep) if k],
                 sum(1 for k in keep if not k))
 
-    def publish(self, learner, version: int) -> dict[str, float]:
-        return self.backend.publish(learner, version)
+    def publish(self, weights: Weights, version: int) -> dict[str, float]:
+        return self.backend.publish(weights, version)
 
     def weights(self, version: int):
         return self.backend.weights(version)
@@ -338,7 +338,7 @@ class AheadSource(RolloutSource):
                          if j.round == 0 and j.version is not None and j.version < step})
         return {v: w for v in wanted if (w := self.backend.weights(v)) is not None}
 
-    def resume(self, learner, step: int, kept: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+    def resume(self, weights: Weights, step: int, kept: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         """Batches in flight at the checkpoint were lost with the process: the same jobs (prompts and
         seeds, recorded in the checkpoint) are generated again. With the older versions they need
         (``kept``, from the checkpoint: the native worker's) the engine gets those first, and the
@@ -350,7 +350,7 @@ class AheadSource(RolloutSource):
         for v in sorted(kept):
             self.backend.publish_weights(v, kept[v])
         self.floor = min(kept, default=step)
-        self.backend.publish(learner, step)
+        self.backend.publish(weights, step)
         self.next_job = step
 
     def sleep(self) -> None:
@@ -377,24 +377,26 @@ class AheadSource(RolloutSource):
         self.backend.close()
 
 
-def make_source(cfg, engine_factory, task, reward, tokenizer, prompt_ids, dist, learner, model_dir, dtype):
-    """The synchronous source (K = 0) or the one that runs ahead (K ≥ 1) for this config."""
+def make_source(cfg, engine_factory, task, reward, tokenizer, prompt_ids, dist, weights: Weights, model_dir,
+                side: Side):
+    """The synchronous source (K = 0) or the one that runs ahead (K ≥ 1) for this config; ``weights``: the policy's
+    (version 0, :func:`unison.sync.weights_of`); ``side``: the engine's numerics (the run's machine)."""
     K = cfg.rollout.max_staleness
     if K == 0:
         engine = engine_factory()
         try:
-            _sync_server(engine, learner)
+            _sync_server(engine, weights)
         except BaseException:
             engine.close()
             raise
         return RolloutSource(engine, task, reward, tokenizer, prompt_ids, cfg, dist)
     if cfg.engine == "native":
-        backend = NativeWorkerBackend(model_dir, dtype, str(learner.device), cfg, dist, learner)
-        start = partial(backend.publish, learner, 0)
+        backend = NativeWorkerBackend(model_dir, side, weights.device, cfg.rollout, dist, weights.shapes())
+        start = partial(backend.publish, weights, 0)
     else:
         engine = engine_factory()
         backend = ServerBackend(engine, cfg)
-        start = partial(_sync_server, engine, learner)
+        start = partial(_sync_server, engine, weights)
     try:  # version 0 reaches the engine before the first batch is submitted
         start()
         return AheadSource(backend, task, reward, tokenizer, prompt_ids, cfg, dist)

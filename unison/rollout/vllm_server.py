@@ -182,7 +182,7 @@ class VLLMServerEngine:
         self._pausing = False
         self._probe_ids = list(self.tokenizer(PROBE_TEXT)["input_ids"])
         self._last_server_probe: list[float] | None = None
-        self._last_learner_probe: list[float] | None = None
+        self._last_policy_probe: list[float] | None = None
         eos = self.tokenizer.eos_token_id
         from unison.models import model_config
 
@@ -320,7 +320,7 @@ class VLLMServerEngine:
         the host, in the rollout dtype; NCCL: the stream itself, sent when applied) and the probe's log-probs."""
         if update.probe_logprobs is None:
             raise UnisonError("a vLLM server sync needs the policy's log-probs of its probe sequence "
-                              "(WeightUpdate.probe_logprobs): push through unison.rollout.sync.push")
+                              "(WeightUpdate.probe_logprobs): push through unison.sync.push")
         prepared = {"probe": list(update.probe_logprobs)}
         if self.weight_sync == "nccl":
             prepared["tensors"], prepared["shapes"] = update.tensors, update.shapes()
@@ -459,14 +459,14 @@ class VLLMServerEngine:
         if self.dist.is_main:
             theirs = self.score([ids])[0]
             diff = max(abs(a - b) for a, b in zip(mine, theirs))
-            learner_moved = self._last_learner_probe is None or max(
-                abs(a - b) for a, b in zip(mine, self._last_learner_probe)) > 1e-5
+            policy_moved = self._last_policy_probe is None or max(
+                abs(a - b) for a, b in zip(mine, self._last_policy_probe)) > 1e-5
             server_moved = self._last_server_probe is None or theirs != self._last_server_probe
-            if learner_moved and not server_moved:
+            if policy_moved and not server_moved:
                 error = (f"vLLM server at {self.url} did not take the weights of sync {self.version}: its "
                          f"log-probs of the probe sequence did not change (learner's moved by more than 1e-5); "
                          f"check the server log")
-            self._last_server_probe, self._last_learner_probe = theirs, mine
+            self._last_server_probe, self._last_policy_probe = theirs, mine
             result = {"sync/probe_abs_logp_diff_max": diff}
         error = self.dist.broadcast_object(error)
         if error:

@@ -51,6 +51,7 @@ from multiprocessing.connection import wait
 import torch
 
 from unison.errors import UnisonError
+from unison.sides import Side
 
 
 class WeightRing:
@@ -104,17 +105,14 @@ class WorkerSpec:
     """What the worker needs to build its engine."""
 
     model_dir: str
-    dtype: torch.dtype
+    #: the engine's numerics (dtype, weight format, compiled layers), as the trainer decided
+    side: Side
     device: str
-    quantization: str
-    quant_group_size: int
     threads: int
     dp_rank: int
     dp_size: int
     #: the run's fp32 matmul library (unison/gemm.py), decided by the trainer
     gemm: str = "blas"
-    #: the engine's layers compiled (unison/compilation.py), as the trainer decided
-    compile: bool = False
 
 
 # ------------------------------------------------------------------ frames on a pipe
@@ -266,9 +264,7 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
         from unison.rollout import generate
         from unison.rollout.native import NativeEngine
 
-        engine = NativeEngine(spec.model_dir, dtype=spec.dtype, device=spec.device,
-                              quantization=spec.quantization, quant_group_size=spec.quant_group_size,
-                              compile=spec.compile)
+        engine = NativeEngine(spec.model_dir, spec.side, device=spec.device)
         engine.dp_rank, engine.dp_size = spec.dp_rank, spec.dp_size
         out.put(("ready", os.getpid(), engine.pad_id, engine.eos_ids, engine.kernels.compile_s))
     except BaseException as e:  # noqa: BLE001 - reported to the parent in one line
