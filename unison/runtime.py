@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unison import gemm, threads
-from unison.sides import Machine, config_sides
 from unison.threads import SMALL_MODEL, cpu_name  # noqa: F401 - cpu_name: re-exported
 
 
@@ -108,26 +107,3 @@ def setup(threads_setting, gemm_setting, model_dir, device: str = "cpu", world_s
                    vocab=sizes.vocab, log=log)
     return Runtime(t, g, sizes)
 
-
-def decide(cfg, model_dir, prec, shape, world_size: int = 1, gemm_setting=None, compile_setting=None,
-           log=None) -> Machine:
-    """The run's :class:`~unison.sides.Machine`, decided once before any model is loaded: the threads, each side's
-    matmul library (:func:`setup`) and compilation (unison/compilation.py), and the two
-    :class:`~unison.sides.Side` s they make with the config's other knobs (``prec``: the resolved precision;
-    ``shape``: the run's shapes, :func:`unison.compilation.run_shape`). ``gemm_setting`` / ``compile_setting``:
-    the settings to decide from (a resumed run's recorded choices), the config's by default."""
-    import torch
-
-    from unison import compilation
-
-    native = cfg.engine == "native"
-    rt = setup(cfg.threads, gemm_setting or cfg.gemm, model_dir, device=cfg.device, world_size=world_size,
-               fp32=prec.learner_dtype == torch.float32, engine_fp32=native and prec.rollout_dtype == torch.float32,
-               decode_rows=shape.rows)
-    comp = compilation.decide(compile_setting or cfg.compile, model_dir, rt.sizes.params, shape, exact=cfg.exact,
-                              world_size=world_size, device=cfg.device, engine_native=native,
-                              engine_packed=rt.gemm.engine == "onednn" and prec.rollout_dtype == torch.float32,
-                              quantization_aware=cfg.train.quantization_aware, log=log)
-    engine, learner = config_sides(cfg, prec, world_size, gemm=(rt.gemm.engine, rt.gemm.name),
-                                   compiled=(comp.engine, comp.learner))
-    return Machine(rt.threads, engine, learner, rt.gemm, comp, rt.sizes)

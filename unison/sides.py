@@ -1,6 +1,6 @@
 """How each side computes log-probabilities: one :class:`Side` for the rollout engine (μ), one for the learner (π).
 
-Every numerics knob of a run is a field of a Side, decided once at start (``runtime.decide``: the
+Every numerics knob of a run is a field of a Side, decided once at start (``machine.decide``: the
 :class:`Machine`) and never re-derived from a config string afterwards:
 
 * ``dtype`` — the compute precision; ``params`` — the learner's parameters as fp32 masters under autocast
@@ -101,7 +101,7 @@ def config_sides(cfg, prec, world_size: int = 1, gemm: tuple[str, str] = ("blas"
                  compiled: tuple[bool, bool] = (False, False)) -> tuple[Side, Side]:
     """``(engine, learner)`` Sides of a training config, given its resolved precision ``prec``
     (:class:`unison.precision.Precision`) and the machine's decisions: the matmul library and compilation of each
-    side (``runtime.decide``). Under torchrun the learner's parameters are cast as ``distributed.param_dtype`` says
+    side (``machine.decide``). Under torchrun the learner's parameters are cast as ``distributed.param_dtype`` says
     (unset: ``compute``, but fp32 under the quantization-aware learner, which quantizes the master FSDP2 gathers)."""
     r, t = cfg.rollout, cfg.train
     engine = Side(dtype=prec.rollout_dtype, quantization=r.quantization, group_size=r.quant_group_size,
@@ -118,7 +118,7 @@ def config_sides(cfg, prec, world_size: int = 1, gemm: tuple[str, str] = ("blas"
 
 @dataclass(frozen=True)
 class Machine:
-    """What a process decided about the machine before it loaded a model (``runtime.decide``): its torch threads
+    """What a process decided about the machine before it loaded a model (``machine.decide``): its torch threads
     (:class:`unison.threads.Threads`), each side's numerics, and the decisions behind them with their reasons —
     the matmul library (:class:`unison.gemm.Gemm`), the compilation (:class:`unison.compilation.Compilation`) — and
     the model's sizes they were read from. Each decision prints as its start-up phrase; ``config.yaml`` records the

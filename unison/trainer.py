@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unison import compilation, preflight, runtime
+from unison import compilation, machine, preflight
 from unison.algorithms.advantages import ADVANTAGES
 from unison.algorithms.anchors import OldLogp, plan
 from unison.algorithms.corrections import BATCH_LEVEL, CORRECTIONS, LOSS_MASKS
@@ -105,7 +105,7 @@ class Trainer:
         # the run's shapes: a decode step's rows (each rank's share; what the engine's products are measured and
         # packed for) and the learner's micro-batches (what compile's auto times)
         self._shape = compilation.run_shape(cfg, self.prompt_ids, self.dist.world_size)
-        m = self.machine = runtime.decide(
+        m = self.machine = machine.decide(
             cfg, model_dir, self.prec, self._shape, self.dist.world_size,
             gemm_setting=resumed_choice(cfg, self.run_dir, "gemm") if resume else None,
             compile_setting=resumed_choice(cfg, self.run_dir, "compile") if resume else None, log=self.log)
