@@ -372,3 +372,49 @@ def test_loglinear_alpha_and_logp_by_hand():
     assert loglinear_alpha(tv, 5.0, 5.5).tolist() == [pytest.approx([0.8, 2 / 3])]
     got = OldLogp("loglinear", v_behave=tv, step=5, mini_batches=4)(torch.tensor([0]), theta[:1], mu[:1], 2)
     assert got[0].tolist() == pytest.approx([-2.0 + 0.8, -2.0 + 2 / 3])
+
+
+def test_the_anchor_is_the_one_writer_of_pi_old_and_knows_where_it_holds(tiny_dir):
+    """The Anchor (issue 53): ``score`` scores every row before the update and π_old is known there; ``bypass``
+    stores log μ; ``fused`` leaves it to the training forward, and afterwards π_old is that forward's, on every row;
+    ``loglinear``, on the first mini-batch's rows only."""
+    from types import SimpleNamespace
+
+    from unison.algorithms.anchors import Anchor
+    from unison.algorithms.corrections import CORRECTIONS
+    from unison.batch import Completion, collate
+
+    b = collate([Completion([1, 2], [3, 4], [-1.0, -2.0], "stop"), Completion([1], [5], [-0.5], "stop")], pad_id=0)
+    scored = torch.tensor([[0.0, 0.0, -1.5, -2.5], [0.0, -0.7, 0.0, 0.0]])
+    calls = []
+
+    def score(batch):
+        calls.append(batch.size)
+        return scored, None
+
+    correct = CORRECTIONS["token_tis"]
+    a = Anchor("recompute", 2, True, correct)
+    assert a.kind == "score" and a == "score" and a.scored
+    a.before_update(b, 0, score)
+    assert calls == [2] and torch.equal(b.logp_old, scored)
+    w, metrics, mask = a.weights(b)
+    assert torch.is_tensor(w) and metrics["correction/ratio_max"] > 0 and mask is None
+    known = a.known(b, None, metrics)
+    assert known.rows.tolist() == [0, 1] and known.logp is scored and known.corrections is metrics
+
+    bypass = Anchor("bypass", 2, True, correct)
+    bypass.before_update(b, 0, score)
+    assert torch.equal(b.logp_old, b.logp_mu) and b.logp_old is not b.logp_mu and calls == [2]
+
+    first = torch.tensor([[0.0, 0.0, -1.0, -2.0], [0.0, -0.5, 0.0, 0.0]])  # the training forward at θ_old: = μ
+    stats = SimpleNamespace(first_rows=torch.tensor([0]), logp_first=first, routing_first=None)
+    for kind, anchor, rows in (("fused", "recompute", [0, 1]), ("loglinear", "loglinear", [0])):
+        a = Anchor(anchor, 1 if kind == "fused" else 2, True, correct)
+        assert a.kind == kind
+        a.before_update(b, 0, score)
+        assert b.logp_old is None and calls == [2]  # no score pass: π_old comes from the training forward
+        w, metrics, _ = a.weights(b)
+        assert callable(w) and metrics == {}
+        known = a.known(b, stats, metrics)
+        assert known.rows.tolist() == rows and known.logp is first
+        assert known.corrections["correction/ratio_max"] == pytest.approx(1.0)  # π_old = μ: every ratio 1

@@ -405,8 +405,9 @@ KILLER = textwrap.dedent("""
         train = t.learner.train
         t.learner.train = lambda *a, **kw: die() if t.step == 4 else train(*a, **kw)
     elif point == "checkpoint":        # the step-4 checkpoint: its model written, the older versions not yet
-        save = t.learner.save_model
-        t.learner.save_model = lambda p, tok: (save(p, tok), die()) if t.step == 4 else save(p, tok)
+        import unison.checkpoint as C
+        save = C.save_model
+        C.save_model = lambda l, p, tok: (save(l, p, tok), die()) if t.step == 4 else save(l, p, tok)
     t.fit()
 """)
 

@@ -216,7 +216,7 @@ def test_m2po_under_a_token_mean_divides_by_the_tokens_it_keeps_as_areal_does(ti
     for agg, wired in (("token_mean", True), ("seq_mean_token_sum_norm", False)):
         t = Trainer(load_config(None, ["algo=grpo_m2po", f"policy.loss_agg={agg}", "log.console=false",
                                        "log.tensorboard=false"]), tmp_path / agg, log=lambda m: None)
-        assert (t.loss_mask is not None) == wired
+        assert (t.anchor.loss_mask is not None) == wired
         t.source.close()
 
 

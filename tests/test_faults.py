@@ -164,11 +164,13 @@ KILLER = textwrap.dedent("""
         tr = t.learner.train
         t.learner.train = lambda *a, **k: die() if t.step == 3 else tr(*a, **k)
     elif point == "checkpoint-weights":   # right after the step-4 checkpoint wrote its model
-        sm = t.learner.save_model
-        t.learner.save_model = lambda p, tok: (sm(p, tok), die()) if t.step == 4 else sm(p, tok)
+        import unison.checkpoint as C
+        sm = C.save_model
+        C.save_model = lambda l, p, tok: (sm(l, p, tok), die()) if t.step == 4 else sm(l, p, tok)
     elif point == "checkpoint-optimizer":  # while DCP writes the optimizer of step 2
-        so = t.learner.save_optimizer
-        t.learner.save_optimizer = lambda p: die() if t.step == 2 else so(p)
+        import unison.checkpoint as C
+        so = C.save_optimizer
+        C.save_optimizer = lambda l, p: die() if t.step == 2 else so(l, p)
     elif point == "metrics":          # half a line into metrics.jsonl at step 3
         wm = t.runlog.write
         def torn(m):

@@ -11,7 +11,7 @@ import torch
 from unison.cli import main
 from unison.config import load_config
 from unison.errors import UnisonError
-from unison.rollout import vllm_engine, vllm_server
+from unison.rollout import server_nccl, vllm_engine
 from unison.rollout.vllm_engine import VLLMEngine, check_vllm
 from unison.sync import sync, weight_update
 from unison.policy import ScoringOptions
@@ -158,7 +158,7 @@ def test_nccl_sync_needs_vllm_installed_here(tiny_dir, monkeypatch):
     def missing():
         raise ImportError("No module named 'vllm'")
 
-    monkeypatch.setattr(vllm_server, "_local_transfer_engine", missing)
+    monkeypatch.setattr(server_nccl, "_local_transfer_engine", missing)
     with _stub(tiny_dir) as stub:
         with pytest.raises(UnisonError, match="needs vLLM 0.32 installed here too"):
             _server(stub.url, tiny_dir)
@@ -169,7 +169,7 @@ def test_nccl_sync_needs_vllm_installed_here(tiny_dir, monkeypatch):
     ({}, "has no weight-transfer config"),
 ])
 def test_nccl_sync_needs_a_dev_mode_server_with_a_transfer_config(tiny_dir, monkeypatch, stub_kw, match):
-    monkeypatch.setattr(vllm_server, "_local_transfer_engine", lambda: None)
+    monkeypatch.setattr(server_nccl, "_local_transfer_engine", lambda: None)
     with _stub(tiny_dir, **stub_kw) as stub:
         with pytest.raises(UnisonError, match=match):
             _server(stub.url, tiny_dir)
@@ -178,7 +178,7 @@ def test_nccl_sync_needs_a_dev_mode_server_with_a_transfer_config(tiny_dir, monk
 def test_nccl_sync_needs_an_address_the_server_can_reach(tiny_dir, monkeypatch):
     import socket
 
-    monkeypatch.setattr(vllm_server, "_local_transfer_engine", lambda: None)
+    monkeypatch.setattr(server_nccl, "_local_transfer_engine", lambda: None)
     info = {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}
     with _stub(tiny_dir, server_info=info) as stub:
         remote = stub.url.replace("127.0.0.1", "localhost")
@@ -334,7 +334,7 @@ def test_the_nccl_weight_transfer_of_a_lora_learner_announces_the_merged_base_na
         mod = types.ModuleType(name)
         mod.__dict__.update(parts.get(name, {}))
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(vllm_server, "_local_transfer_engine", lambda: None)
+    monkeypatch.setattr(server_nccl, "_local_transfer_engine", lambda: None)
     learner = Learner(tiny_dir, lora=LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"]))
     info = {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}
     with _stub(tiny_dir, server_info=info) as stub:

@@ -215,16 +215,17 @@ def check_model_keys(model, weights: dict, where: str) -> None:
 
 # ------------------------------------------------------------------ the run's checkpoints
 class Checkpointer:
-    """The run's ``checkpoints/``: writes every component's state into one checkpoint (collective: every rank
-    writes its optimizer shard and its RNGs) and resumes from the newest usable one, falling back past damaged
-    ones. The components are the trainer's: the learner (weights, optimizer, scaler), the LR schedule, the
-    gradient-noise tracker, the rollout source (prompt sampler, batches in flight) and the watchdogs' counters."""
+    """The run's ``checkpoints/``: one checkpoint holds the learner's model (a Hugging Face directory, or PEFT's
+    adapters) and optimizer state (``torch.distributed.checkpoint``: every rank writes its shard), the rollout
+    source's state and the older weights its batches in flight need, every other component's ``state_dict()``
+    under its name in ``states`` (torchtitan's ``CheckpointManager`` shape: the LR schedule, the gradient-noise
+    tracker, the watchdogs' counters, the learner's scaler) and each rank's RNGs. :meth:`resume` loads the newest
+    usable one, falling back past damaged ones. Collective under torchrun."""
 
-    def __init__(self, run_dir: Path, dist, keep: int, learner, tokenizer, schedule, noise, source, watchdogs,
+    def __init__(self, run_dir: Path, dist, keep: int, learner, tokenizer, source, states: dict,
                  log=lambda m: None):
         self.dir, self.dist, self.keep, self.log = Path(run_dir) / "checkpoints", dist, keep, log
-        self.learner, self.tokenizer = learner, tokenizer
-        self.schedule, self.noise, self.source, self.watchdogs = schedule, noise, source, watchdogs
+        self.learner, self.tokenizer, self.source, self.states = learner, tokenizer, source, dict(states)
 
     def saved(self) -> list[Path]:
         return complete(self.dir)
@@ -240,8 +241,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         d.barrier()
-        self.learner.save_model(tmp / "model", self.tokenizer)  # collective; rank 0 writes
-        self.learner.save_optimizer(tmp / "optimizer")  # collective
+        save_model(self.learner, tmp / "model", self.tokenizer)  # collective; rank 0 writes
+        save_optimizer(self.learner, tmp / "optimizer")  # collective
         kept = self.source.kept_versions(step)  # the older weights the batches in flight need (async)
         if d.is_main and kept:
             save_kept_versions(tmp / KEPT, kept)
@@ -252,9 +253,8 @@ class Checkpointer:
         d.barrier()
         if d.is_main:
             source = self.source.state_dict()
-            state = {"step": step, "world_size": d.world_size, "learner": self.learner.state_dict(),
-                     "schedule": self.schedule.state_dict(), "sampler": source["sampler"],
-                     "grad_noise": self.noise.state_dict(), **self.watchdogs.state_dict(), "source": source}
+            state = {"step": step, "world_size": d.world_size, "source": source, "sampler": source["sampler"],
+                     **{key: obj.state_dict() for key, obj in self.states.items()}}
             torch.save(state, tmp / "trainer_state.pt")
             publish(tmp, final, self.keep)
         d.barrier()
@@ -287,18 +287,17 @@ class Checkpointer:
 
         try:
             state = load_data(ck / "trainer_state.pt")
-            weights = self.learner.read_model(ck / "model")
+            weights = read_model(self.learner, ck / "model")
         except UnisonError:
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable piece makes the checkpoint unusable
             return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         self.learner.load_full_state_dict(weights)
-        self.learner.load_optimizer(ck / "optimizer")
-        self.learner.load_state_dict(state["learner"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.noise.load_state_dict(state["grad_noise"])
+        load_optimizer(self.learner, ck / "optimizer")
+        for key, obj in self.states.items():
+            # a checkpoint of an older unison kept the watchdogs' counters at the top level
+            obj.load_state_dict(state[key] if key in state else state if key == "watchdogs" else {})
         self.source.load_state_dict(state.get("source") or {"sampler": state["sampler"]})
-        self.watchdogs.load_state_dict(state)
         rng = ck / f"rng_rank{self.dist.rank}.pt"
         if rng.exists():  # absent when resuming on more ranks than wrote the checkpoint
             r = load_data(rng)

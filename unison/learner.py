@@ -237,19 +237,9 @@ class Learner(Scorer):
         return float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else 1.0
 
     # ------------------------------------------------------------- checkpoints (unison/checkpoint.py)
-    def save_optimizer(self, path: Path) -> None:
-        """Optimizer state with ``torch.distributed.checkpoint`` (collective: every rank writes its part)."""
-        from unison.checkpoint import save_optimizer
-
-        save_optimizer(self, path)
-
-    def load_optimizer(self, path: Path) -> None:
-        from unison.checkpoint import load_optimizer
-
-        load_optimizer(self, path)
-
     def state_dict(self) -> dict:
-        """The learner's small state (the optimizer goes through :meth:`save_optimizer`)."""
+        """The learner's small state: the loss scaler and the skipped steps (unison/checkpoint.py writes its weights
+        and its optimizer's state itself)."""
         return {"scaler": self.scaler.state_dict() if self.scaler is not None else {},
                 "skipped_steps": self.skipped_steps}
 

@@ -337,20 +337,7 @@ class Scorer:
         """``export_weights()`` in the master dtype (the engine casts)."""
         return self.export_weights(None)
 
-    # ------------------------------------------------------------- its weights on disk (unison/checkpoint.py)
-    def save_model(self, path: Path, tokenizer) -> None:
-        """The model for others to load (collective; rank 0 writes): a Hugging Face directory, or with LoRA the
-        adapters in PEFT's format (+ the tokenizer)."""
-        from unison.checkpoint import save_model
-
-        save_model(self, path, tokenizer)
-
-    def read_model(self, path: Path) -> dict[str, torch.Tensor]:
-        """The weights :meth:`save_model` wrote (rank 0 reads; the others get ``{}``)."""
-        from unison.checkpoint import read_model
-
-        return read_model(self, path)
-
+    # ------------------------------------------------------------- its weights loaded (unison/checkpoint.py writes them)
     def load_full_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named full weights (read on rank 0 when sharded; others pass ``{}``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -66,52 +66,38 @@ def batch_metrics(batch, step: int) -> dict:
 
 
 class Mismatch:
-    """μ against the learner's π_old on a trained batch, on the rows where π_old is known exactly: every row after a
-    score pass (and fused), the first mini-batch's otherwise (the training forward at θ = θ_old)."""
+    """μ against the learner's π_old on a trained batch, where π_old is known exactly (the step's
+    :class:`~unison.algorithms.anchors.Known`), and on decompose steps (``every``) the mismatch ledger's terms and the
+    numerics/staleness split. ``learner`` scores the split's passes (under the older weights ``source.weights``
+    keeps); ``exact``: exact mode, where any difference is a bug and stops the run; ``split_every_step``: the mismatch
+    budget watches the staleness part; ``log``: the run's warnings and, with ``console``, the ledger's line."""
 
-    def __init__(self, cfg, anchor: str, correct, learner, source, ledger=None, layout=None, schedule=None,
-                 log=lambda m: None):
-        self.cfg, self.anchor, self.correct, self.learner, self.source = cfg, anchor, correct, learner, source
-        self.ledger, self.layout, self.log = ledger, layout, log
-        #: the mismatch budget reads the split every step when it watches the staleness part
-        self.split_every = 1 if getattr(schedule, "metric", None) == "mismatch/staleness_k3" \
-            else cfg.mismatch.decompose_every
+    def __init__(self, every: int, learner, source, ledger=None, exact: bool = False, split_every_step: bool = False,
+                 log=lambda m: None, console: bool = True):
+        self.every, self.learner, self.source, self.ledger, self.exact = every, learner, source, ledger, exact
+        self.split_every = 1 if split_every_step else every
+        self.log, self.console = log, console
 
     def ledger_due(self, step: int) -> bool:
-        return self.ledger is not None and not (step + 1) % self.cfg.mismatch.decompose_every
+        return self.ledger is not None and not (step + 1) % self.every
 
-    def measure(self, batch, stats, cmetrics: dict, step: int, chain=None, t_ledger: float = 0.0,
-                routing=None) -> dict:
-        """The step's mismatch metrics; ``chain``: the ledger's passes scored before the update (:meth:`ledger_due`
-        steps), ``routing``: the experts the score pass chose (MoE)."""
-        from unison.algorithms.anchors import OldLogp
-
-        mask = batch.response_mask
-        if self.anchor == "score":
-            rows, logp_pi = torch.arange(batch.size), batch.logp_old
-        else:  # π_old is known exactly on the first mini-batch's rows: the training forward at θ = θ_old
-            rows = torch.arange(batch.size) if self.anchor == "fused" else stats.first_rows
-            logp_pi = stats.logp_first
-            if self.anchor == "fused":
-                batch.logp_old = logp_pi
-            if not cmetrics:  # the weights the first mini-batch applied (loglinear: π_prox at its α)
-                old = OldLogp(self.anchor, None, batch.token_versions(step), step, self.cfg.train.mini_batches)
-                prox = old(rows, logp_pi[rows], batch.logp_mu[rows], 0) if self.anchor == "loglinear" else logp_pi[rows]
-                _, cmetrics = self.correct(prox, batch.logp_mu[rows], mask[rows])
+    def measure(self, batch, known, step: int, chain=None, t_ledger: float = 0.0) -> dict:
+        """The step's mismatch metrics on ``known``'s rows; ``chain``: the ledger's passes scored before the update
+        (:meth:`ledger_due` steps)."""
+        rows, logp_pi, mask = known.rows, known.logp, batch.response_mask
         mm = mismatch_metrics(logp_pi[rows], batch.logp_mu[rows], mask[rows])
-        if self.layout is not None and mm["mismatch/identical_fraction"] < 1.0:
+        if self.exact and mm["mismatch/identical_fraction"] < 1.0:
             from unison.exact import divergence_report
 
             where = divergence_report(self.learner, self.source.engine, batch, rows, logp_pi)
             raise UnisonError(f"exact mode broke at step {step + 1}: log μ and log π_old differ ({where}); "
                               f"this is a bug in unison — please report it with the config")
-        learner_routing = routing if self.anchor == "score" else stats.routing_first
-        if learner_routing is not None and "routing" in batch.extras:
+        if known.routing is not None and "routing" in batch.extras:
             from unison import moe
 
             mm["mismatch/router_disagreement"] = moe.disagreement(batch.extras["routing"][rows],
-                                                                  learner_routing[rows], mask[rows])
-        return {**mm, **cmetrics, **self._ledger(batch, rows, logp_pi, step, chain, t_ledger),
+                                                                  known.routing[rows], mask[rows])
+        return {**mm, **known.corrections, **self._ledger(batch, rows, logp_pi, step, chain, t_ledger),
                 **self._split(batch, rows, logp_pi, step)}
 
     def _ledger(self, batch, rows, logp_pi, step: int, chain, t_ledger: float) -> dict:
@@ -124,7 +110,7 @@ class Mismatch:
         t0 = time.perf_counter()
         m = self.ledger.measure(batch.select(rows), logp_pi[rows], step, chain, rows)
         m["time/ledger_s"] = t_ledger + time.perf_counter() - t0
-        if self.cfg.log.console:
+        if self.console:
             self.log(f"[train] step {step + 1} {shares(m)}")
         self.ledger.check_stale(m, self.log)
         return m

@@ -35,10 +35,11 @@ import torch
 
 from unison import compilation, machine, preflight
 from unison.algorithms.advantages import ADVANTAGES
-from unison.algorithms.anchors import OldLogp, plan
+from unison.algorithms.anchors import Anchor
 from unison.algorithms.corrections import BATCH_LEVEL, CORRECTIONS, LOSS_MASKS
 from unison.algorithms.presets import correction_kwargs, resolve_policy
 from unison.batch import collate
+from unison import checkpoint as ckpt
 from unison.checkpoint import Checkpointer, SignalStop, resumed_choice
 from unison.config import Config, resolve_paths
 from unison.data_io import atomic_write_text, read_metrics
@@ -135,21 +136,24 @@ class Trainer:
 
         self.ledger = build_ledger(cfg, self.learner, self.source, model_dir, m.engine)
         # ---- the algorithm
-        self.anchor = plan(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass,
-                           batch_level=self.policy["correction"] in BATCH_LEVEL,
-                           dropout=bool(cfg.lora.rank and cfg.lora.dropout))
-        self.correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
+        correct = partial(CORRECTIONS[self.policy["correction"]], **correction_kwargs(self.policy))
         #: a correction that drops tokens from the loss (M2PO): under a token mean they leave its normaliser too
         masks = LOSS_MASKS.get(self.policy["correction"]) if self.policy["loss_agg"] == "token_mean" else None
-        self.loss_mask = partial(masks, **correction_kwargs(self.policy)) if masks else None
+        self.anchor = Anchor(self.policy["anchor"], cfg.train.mini_batches, cfg.train.fuse_score_pass, correct,
+                             loss_mask=partial(masks, **correction_kwargs(self.policy)) if masks else None,
+                             batch_level=self.policy["correction"] in BATCH_LEVEL,
+                             dropout=bool(cfg.lora.rank and cfg.lora.dropout))
         self.schedule = make_schedule(cfg.train, asynchronous=cfg.rollout.max_staleness > 0)
         self.noise = GradNoiseTracker(cfg.train.grad_noise_ema)
         # ---- what the run measures, watches and keeps
-        self.mismatch = Mismatch(cfg, self.anchor, self.correct, self.learner, self.source, self.ledger, self.layout,
-                                 self.schedule, self.log)
+        watched = getattr(self.schedule, "metric", None)  # the mismatch budget reads the split every step
+        self.mismatch = Mismatch(cfg.mismatch.decompose_every, self.learner, self.source, self.ledger,
+                                 exact=self.layout is not None, split_every_step=watched == "mismatch/staleness_k3",
+                                 log=self.log, console=cfg.log.console)
+        self.watch = Watchdogs(cfg, self.task.name, self.log, saved=partial(ckpt.complete, self.run_dir / "checkpoints"))
         self.checkpoints = Checkpointer(self.run_dir, self.dist, cfg.checkpoint.keep, self.learner, self.tokenizer,
-                                        self.schedule, self.noise, self.source, None, self.log)
-        self.watch = self.checkpoints.watchdogs = Watchdogs(cfg, self.task.name, self.log, self.checkpoints.saved)
+                                        self.source, {"learner": self.learner, "schedule": self.schedule,
+                                                      "grad_noise": self.noise, "watchdogs": self.watch}, self.log)
         self.runlog = RunLog(self.run_dir, cfg, self.dist.is_main)
         resumed_from = self.step = self.checkpoints.resume() if resume else 0
         self.dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
@@ -184,22 +188,16 @@ class Trainer:
         batch = collate(roll.completions, self.source.pad_id, layout=self.layout)
         batch.rewards = torch.tensor(roll.rewards, dtype=torch.float32)
         batch.advantages = ADVANTAGES[self.policy["advantage"]](batch.rewards, batch.group_ids)  # 2.
-        with timed("time/score_s", t):
-            old, routing = self._old_logp(batch, step)                 # 3. which log π is π_old
+        with timed("time/score_s", t):                                 # 3. which log π is π_old
+            old = self.anchor.before_update(batch, step, lambda b: self.learner.score(b, with_routing=True))
         metrics.update(self._retokenize(roll.completions, step))      #    (multi-turn: with π_old's weights)
         if self.teacher is not None:                                   #    distillation: per-token advantages
             with timed("time/teacher_s", t):                           #    from the teacher and π_old
-                scored = batch.logp_old if self.anchor == "score" else None  # bypass: μ, not the learner's
+                scored = batch.logp_old if self.anchor.scored else None  # bypass: μ, not the learner's
                 batch.advantages, dmetrics = self.teacher.advantages(batch, self.learner, scored,
                                                                      measure_path=self.mismatch.ledger_due(step))
             metrics.update({**dmetrics, "time/teacher_s": t["time/teacher_s"]})
-        loss_mask = None
-        if batch.logp_old is not None:                                 # 4. correction weights, once
-            weights, cmetrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)
-            if self.loss_mask is not None:                             #    (M2PO + token mean: the kept tokens)
-                loss_mask = self.loss_mask(batch.logp_old, batch.logp_mu, batch.response_mask)
-        else:                                                          #    or per micro-batch of π_old
-            weights, cmetrics = (lambda o, mu, m: self.correct(o, mu, m)[0]), {}
+        weights, cmetrics, loss_mask = self.anchor.weights(batch)      # 4. correction weights
         lr = self.schedule.lr(step + 1)
         with timed("time/ledger_s", t):                                #    the ledger's passes: before 5
             chain = self.ledger.prepare(batch, step) if self.mismatch.ledger_due(step) else None
@@ -208,7 +206,8 @@ class Trainer:
             stats = self.learner.train(batch, old, weights, lr, seed=step_seed(cfg.seed, step) + 1,  # 5.
                                        loss_mask=loss_mask)
         with timed("time/telemetry_s", t):                             # 7. (before 6: it may score with the
-            metrics.update(self.mismatch.measure(batch, stats, cmetrics, step, chain, t["time/ledger_s"], routing))
+            known = self.anchor.known(batch, stats, cmetrics)
+            metrics.update(self.mismatch.measure(batch, known, step, chain, t["time/ledger_s"]))
             metrics.update(batch_metrics(batch, step))                 #    weights 6 overwrites)
         self.source.wake()
         with timed("time/sync_s", t):
@@ -221,16 +220,6 @@ class Trainer:
             **memory_metrics(self.learner.device)})
         self.watch.signal(metrics, batch)
         return self._finish_step(metrics, t_step, batch.num_response_tokens)
-
-    def _old_logp(self, batch, step: int):
-        """π_old as the plan says (a separate score pass or bypass stores it in ``batch.logp_old``), and the experts
-        the score pass chose (MoE; else None)."""
-        routing = None
-        if self.anchor == "score":
-            batch.logp_old, routing = self.learner.score(batch, with_routing=True)
-        elif self.anchor == "bypass":
-            batch.logp_old = batch.logp_mu.clone()
-        return OldLogp(self.anchor, batch.logp_old, batch.token_versions(step), step, self.cfg.train.mini_batches), routing
 
     def _retokenize(self, completions, step: int) -> dict:
         """Multi-turn, every ``mismatch.decompose_every`` steps: the mismatch a framework that decodes and

@@ -43,6 +43,18 @@ STALE_CURES = {
     "k4budget-start0.1-target3e-3-icepop": "mismatch_budget LR, start 0.1, target 3e-3 + IcePop (grpo_icepop)",
     "k4budget-start0.1-target3e-3-tis-k3metric": "the demo's: as Token-TIS's, the budget watching mismatch/k3 "
                                                  "(no staleness pass)",
+    # the controls (run_controls.sh, issue 52): a constant LR with and without the correction, the budget without it,
+    # Paper B's own schedule
+    "k4tis-const1e-5": "Token-TIS at a constant LR 1e-5 (control)",
+    "k4tis-const2e-5": "Token-TIS at a constant LR 2e-5 (control)",
+    "k4tis-const3e-5": "Token-TIS at a constant LR 3e-5 (control)",
+    "k4tis-const5e-5": "Token-TIS at a constant LR 5e-5 (control)",
+    "k4tis-const1e-4": "Token-TIS at the recipe's LR 1e-4 (control)",
+    "k4lr1e-5": "GRPO at a constant LR 1e-5 (control)",
+    "k4lr2e-5": "GRPO at a constant LR 2e-5 (control)",
+    "k4budget-start0.1-target3e-3-k3metric": "the demo's budget without Token-TIS (control)",
+    "k4surge": "Paper B's surge_decay on response length (control)",
+    "k4surge-tis": "Paper B's surge_decay on response length + Token-TIS (control)",
 }
 
 

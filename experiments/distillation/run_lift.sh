@@ -9,6 +9,7 @@
 #   opd_full     the exact per-position reverse KL over the vocabulary, minimised (distill.estimator=full)
 #   sft_teacher  SFT on the teacher's own samples (off-policy distillation: experiments/distillation/offpolicy.py)
 # One command, resumable:  bash experiments/distillation/run_lift.sh   (PAR=2: two one-thread runs side by side)
+#   LR=3e-3 STEPS=200 OUT=runs/distill_lift_lr3e-3 bash experiments/distillation/run_lift.sh   (the same at SFT's LR)
 #   python experiments/distillation/analyze_lift.py runs/distill_lift docs/experiments/distillation.md
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,6 +19,7 @@ OUT=${OUT:-runs/distill_lift}
 SEEDS=${SEEDS:-0 1 2}
 PAR=${PAR:-2}
 STEPS=${STEPS:-150}
+LR=${LR:-1e-3}
 export OMP_NUM_THREADS=1
 CFG=experiments/distillation/lift.yaml
 mkdir -p "$OUT"
@@ -34,9 +36,9 @@ arm() {  # arm NAME SEED ARGS...
   rm -rf "$d"
   if [ "$name" = sft_teacher ]; then
     $PY experiments/distillation/offpolicy.py "$CFG" --student "$S" --teacher "$T" --out "$d" --seed "$seed" \
-      --set train.steps="$STEPS" > "$d.log" 2>&1 || { echo "failed: $d.log"; return 1; }
+      --set train.steps="$STEPS" --set train.lr="$LR" > "$d.log" 2>&1 || { echo "failed: $d.log"; return 1; }
   else
-    $UNISON train "$CFG" --out "$d" --set model="$S" --set seed="$seed" --set train.steps="$STEPS" \
+    $UNISON train "$CFG" --out "$d" --set model="$S" --set seed="$seed" --set train.steps="$STEPS" --set train.lr="$LR" \
       --set algo=opd --set distill.teacher="$T" "$@" > "$d.log" 2>&1 || { echo "failed: $d.log"; return 1; }
   fi
   echo "done $d"

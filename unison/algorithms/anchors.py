@@ -28,6 +28,8 @@ matters, and every option is a published one:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 ANCHORS = ("recompute", "bypass", "loglinear")
@@ -85,3 +87,85 @@ class OldLogp:
             v = v[:, :logp.shape[1]]
         alpha = loglinear_alpha(v, float(self.step), self.step + mb_index / self.m)
         return loglinear_logp(logp, logp_mu, alpha.to(logp.device))
+
+
+@dataclass
+class Known:
+    """Where π_old is known exactly once the step's update is done, for its mismatch metrics: ``rows`` and their
+    ``logp`` ([B, L], valid on ``rows``), the correction's metrics over them and the experts the learner chose there
+    (MoE; else None)."""
+
+    rows: torch.Tensor
+    logp: torch.Tensor
+    corrections: dict
+    routing: torch.Tensor | None = None
+
+
+class Anchor:
+    """π_old of a step, and everything that follows from how it is obtained — the one writer of ``batch.logp_old``.
+
+    :func:`plan` picks the kind (``score``, ``fused``, ``bypass``, ``loglinear``). Its consequences, kept here:
+
+    * :meth:`before_update` (the step's item 3): the learner's score pass for ``score``, log μ for ``bypass``, nothing
+      for the kinds that take π_old from the training forward; the :class:`OldLogp` the update reads;
+    * :meth:`weights` (item 4): the correction's weights from π_old once (``score``, ``bypass``), or a function the
+      update applies per micro-batch to the π_old it computes; with M2PO under a token mean, the tokens its loss
+      counts;
+    * :meth:`known` (item 7): the rows where π_old is known exactly afterwards — every row, or the first
+      mini-batch's (the training forward at θ = θ_old) — and the correction's metrics there.
+
+    ``correct(logp_old, logp_mu, mask) -> (weights, metrics)``: the policy's correction; ``loss_mask(...)``: the tokens
+    a correction drops from the loss (M2PO under a token mean), or None."""
+
+    def __init__(self, anchor: str, mini_batches: int, fuse_score_pass: bool, correct, loss_mask=None,
+                 batch_level: bool = False, dropout: bool = False):
+        self.kind = plan(anchor, mini_batches, fuse_score_pass, batch_level=batch_level, dropout=dropout)
+        self.mini_batches, self.correct, self.loss_mask = mini_batches, correct, loss_mask
+        self._old: OldLogp | None = None
+        self._routing: torch.Tensor | None = None
+
+    def __eq__(self, other) -> bool:  # ``anchor == "score"``: the kind
+        return self.kind == other if isinstance(other, str) else self is other
+
+    __hash__ = object.__hash__
+
+    @property
+    def scored(self) -> bool:
+        """π_old is the learner's own score of every row, before the update."""
+        return self.kind == "score"
+
+    def before_update(self, batch, step: int, score) -> OldLogp:
+        """π_old as the plan says; ``score(batch) -> (log π, routing)``: the learner's score pass (run for ``score``
+        only). Stores it in ``batch.logp_old`` (``score``, ``bypass``) and returns what the update reads."""
+        self._routing = None
+        if self.kind == "score":
+            batch.logp_old, self._routing = score(batch)
+        elif self.kind == "bypass":
+            batch.logp_old = batch.logp_mu.clone()
+        else:
+            batch.logp_old = None
+        self._old = OldLogp(self.kind, batch.logp_old, batch.token_versions(step), step, self.mini_batches)
+        return self._old
+
+    def weights(self, batch):
+        """``(weights, metrics, loss_mask)``: the correction's weights [B, L] and metrics from the stored π_old, or a
+        function ``(logp_old, logp_mu, mask) -> weights`` evaluated per micro-batch and no metrics yet (``known``
+        computes them); ``loss_mask``: the tokens the loss counts where a correction drops some, else None."""
+        if batch.logp_old is None:
+            return (lambda o, mu, m: self.correct(o, mu, m)[0]), {}, None
+        weights, metrics = self.correct(batch.logp_old, batch.logp_mu, batch.response_mask)
+        mask = self.loss_mask(batch.logp_old, batch.logp_mu, batch.response_mask) if self.loss_mask else None
+        return weights, metrics, mask
+
+    def known(self, batch, stats, corrections: dict) -> Known:
+        """After the update (``stats``: its :class:`~unison.learner.UpdateStats`): every row after a score pass (and
+        fused), the first mini-batch's otherwise; ``corrections``: :meth:`weights`' metrics — for weights applied per
+        micro-batch, those the first mini-batch applied (loglinear: at its π_prox) are computed here."""
+        if self.kind == "score":
+            return Known(torch.arange(batch.size), batch.logp_old, corrections, self._routing)
+        rows = torch.arange(batch.size) if self.kind == "fused" else stats.first_rows
+        logp, mu, mask = stats.logp_first, batch.logp_mu[rows], batch.response_mask[rows]
+        if not corrections:
+            prox = self._old(rows, logp[rows], mu, 0) if self.kind == "loglinear" else logp[rows]
+            corrections = self.correct(prox, mu, mask)[1]
+        return Known(rows, logp, corrections, stats.routing_first)

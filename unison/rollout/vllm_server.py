@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -23,60 +21,12 @@ from unison.batch import Completion
 from unison.errors import UnisonError
 from unison.models import load_tokenizer
 from unison.rollout.base import SamplingParams
-from unison.rollout.vllm_engine import _completion, _find_key, _prompt_seeds, check_vllm
+from unison.rollout.server_disk import DiskTransport
+from unison.rollout.server_nccl import NcclTransport
+from unison.rollout.vllm_engine import _completion, _find_key, _prompt_seeds
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 35 = 47."
 
-
-def _local_transfer_engine() -> None:
-    """The trainer side of vLLM's NCCL weight transfer must import here."""
-    check_vllm()
-    from vllm.distributed.weight_transfer import factory  # noqa: F401
-
-
-def _rendezvous() -> tuple[str, int]:
-    """Where the NCCL weight transfer listens: UNISON_WEIGHT_SYNC_ADDR/PORT, else MASTER_ADDR, else loopback."""
-    addr = os.environ.get("UNISON_WEIGHT_SYNC_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    return addr, int(os.environ.get("UNISON_WEIGHT_SYNC_PORT", "29555"))
-
-
-def _check_nccl(eng) -> None:
-    """Everything the NCCL weight transfer needs, checked before the first step (each would
-    otherwise fail or hang after a whole step): vLLM installed here (its trainer-side transfer
-    engine), a server in dev mode with a weight-transfer config, and a rendezvous address the server
-    can reach."""
-    import socket
-    from urllib.parse import urlparse
-
-    try:
-        _local_transfer_engine()
-    except (UnisonError, ImportError) as e:
-        raise UnisonError(f"vllm.weight_sync nccl sends the weights from this process with vLLM's transfer "
-                          f"engine, which needs vLLM 0.32 installed here too ({e}): pip install "
-                          f"'unison[vllm]', or use vllm.weight_sync=disk") from e
-    r = eng.http.get("/get_world_size", timeout=10.0)
-    if r.status_code == 404:
-        raise UnisonError(f"vLLM server at {eng.url} lacks the development endpoints the NCCL weight transfer "
-                          f"uses: start it with VLLM_SERVER_DEV_MODE=1")
-    info = eng.http.get("/server_info", params={"config_format": "json"}, timeout=10.0)
-    if info.status_code != 200 or _find_key(info.json(), "weight_transfer_config") is None:
-        raise UnisonError(f"vLLM server at {eng.url} has no weight-transfer config: start it with "
-                          f"--weight-transfer-config '{{\"backend\": \"nccl\"}}', or use vllm.weight_sync=disk")
-    addr, port = _rendezvous()
-    host = urlparse(eng.url).hostname or ""
-    loopback = {"127.0.0.1", "localhost", "::1"}
-    if addr in loopback and host not in loopback:
-        raise UnisonError(f"the NCCL weight transfer would ask the server at {host} to connect to {addr}, this "
-                          f"machine's loopback: set UNISON_WEIGHT_SYNC_ADDR to an address of this machine the "
-                          f"server can reach")
-    if eng.dist.is_main:
-        with socket.socket() as sock:
-            try:
-                sock.bind((addr, port))
-            except OSError as e:
-                raise UnisonError(f"the NCCL weight transfer cannot listen on {addr}:{port} ({e.strerror}): set "
-                                  f"UNISON_WEIGHT_SYNC_ADDR / UNISON_WEIGHT_SYNC_PORT to a free address of this "
-                                  f"machine") from e
 
 def _check_server_quantization(eng) -> None:
     """A server cannot be quantized from here: it must have been started with ``--quantization
@@ -124,13 +74,7 @@ def _check_server(eng, cfg, max_len: int | None) -> None:
                           f"{max_len}: restart it with --max-model-len {max_len}")
     if eng.quantization != "none":
         _check_server_quantization(eng)
-    if eng.weight_sync == "nccl":
-        _check_nccl(eng)
-    if eng.weight_sync == "disk":
-        r = eng.http.get("/is_paused", timeout=10.0)
-        if r.status_code == 404:
-            raise UnisonError(f"vLLM server at {eng.url} lacks the development endpoints the disk weight "
-                              f"sync needs: start it with VLLM_SERVER_DEV_MODE=1")
+    eng.transport.check()
 
 
 class VLLMServerEngine:
@@ -170,7 +114,8 @@ class VLLMServerEngine:
             if weight_sync == "auto" else weight_sync
         self.sync_dir = Path(sync_dir) if sync_dir else None  # the trainer sets a default under --out
         self.version = 0
-        self._nccl = None
+        #: how the weights reach the server (unison/rollout/server_disk.py, server_nccl.py)
+        self.transport = (NcclTransport if self.weight_sync == "nccl" else DiskTransport)(self)
         #: held for a whole sync; close() waits on it, so the server is never left paused
         self._sync_lock = threading.Lock()
         self._paused = False
@@ -316,21 +261,13 @@ class VLLMServerEngine:
         return self.apply_sync(self.prepare_sync(update), version=self.version + 1)
 
     def prepare_sync(self, update) -> dict:
-        """What a sync needs, taken now (every rank calls: the stream is a collective): the weights (disk: on
-        the host, in the rollout dtype; NCCL: the stream itself, sent when applied) and the probe's log-probs."""
+        """What a sync needs, taken now (every rank calls: the stream is a collective): the weights as the transport
+        sends them (disk: on the host, in the rollout dtype; NCCL: the stream itself, sent when applied) and the
+        probe's log-probs."""
         if update.probe_logprobs is None:
             raise UnisonError("a vLLM server sync needs the policy's log-probs of its probe sequence "
                               "(WeightUpdate.probe_logprobs): push through unison.sync.push")
-        prepared = {"probe": list(update.probe_logprobs)}
-        if self.weight_sync == "nccl":
-            prepared["tensors"], prepared["shapes"] = update.tensors, update.shapes()
-        else:
-            weights = {}
-            for name, t in update.tensors:  # a collective: every rank iterates
-                if self.dist.is_main:
-                    weights[name] = t.contiguous().cpu()
-            prepared["weights"] = weights
-        return prepared
+        return {"probe": list(update.probe_logprobs), **self.transport.prepare(update)}
 
     def apply_sync(self, prepared: dict, in_flight: bool = False, version: int | None = None) -> dict[str, float]:
         """Put prepared weights (the learner's ``version``) on the server. ``in_flight``: requests being
@@ -343,58 +280,9 @@ class VLLMServerEngine:
         with self._sync_lock:
             self._trusted()
             self._pending_version = self.version + 1 if version is None else version
-            if self.weight_sync == "nccl":
-                self._sync_nccl(prepared["tensors"], prepared["shapes"])
-            else:
-                self._sync_disk(prepared["weights"], "abort" if in_flight else "wait")
+            self.transport.send(prepared, "abort" if in_flight else "wait")
             self.version = self._pending_version  # every rank (rank 0 set it when the server paused)
             return self._check_probe(prepared["probe"])
-
-    def _sync_disk(self, weights: dict, pause_mode: str = "wait") -> None:
-        from safetensors.torch import save_file
-
-        if self.sync_dir is None:
-            raise UnisonError("vllm.weight_sync is 'disk' but vllm.sync_dir is not set: give a directory the "
-                              "server can read")
-        d = self.dist
-        error = None
-        if d.is_main:
-            final = self.sync_dir / f"v{self._pending_version:06d}"  # named by the version it holds
-            tmp = self.sync_dir / f".tmp-v{self._pending_version:06d}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            shutil.copy(self.model_dir / "config.json", tmp / "config.json")
-            shutil.rmtree(final, ignore_errors=True)  # a resumed run publishes its checkpoint's version again
-            os.replace(tmp, final)  # the server never sees a half-written file
-            del weights
-            try:
-                self._pause(pause_mode)
-                try:
-                    self._request("POST", "/collective_rpc", "the weight reload",
-                                  json={"method": "reload_weights",
-                                        "kwargs": {"weights_path": str(final.resolve()), "is_checkpoint_format": True}})
-                    self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
-                except UnisonError as e:
-                    # recorded before the server resumes: the requests in flight (continuations sent during the
-                    # reload) would go on under half-loaded layers; they are aborted, and fail with this anyway
-                    self._broken = str(e)
-                    if pause_mode == "abort":
-                        try:
-                            self._request("POST", "/pause", "abort", params={"mode": "abort"})
-                        except UnisonError:
-                            pass
-                    raise
-                finally:
-                    self._resume()
-            except UnisonError as e:
-                error = str(e)
-            for old in [*self.sync_dir.glob("v*"), *self.sync_dir.glob(".tmp-v*")]:  # older runs' leftovers too
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        error = d.broadcast_object(error)
-        if error:
-            raise UnisonError(error)
 
     def _pause(self, mode: str) -> None:
         """Pause the server; the engine's version is the new one from here on (requests sent now are held
@@ -413,42 +301,6 @@ class VLLMServerEngine:
     def _resume(self) -> None:
         self._request("POST", "/resume", "resume")
         self._paused = False
-
-    def _sync_nccl(self, tensors, shapes) -> None:  # pragma: no cover - GPU only, UNTESTED
-        """vLLM's own weight transfer (NCCL broadcast from trainer rank 0 to the server's workers): ``shapes``
-        announced, then ``tensors`` streamed."""
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        dtype = self.dtype
-
-        engine = self
-        self._pushed = (tensors, shapes)  # this sync's stream: the source set up by the first sync reads it
-
-        class PushedSource(WeightSource):  # vLLM 0.32's interface (check_vllm pins it): metadata() + __iter__
-            def metadata(self):  # what the iteration yields, in its order (LoRA: merged, under the base names)
-                return [ParamMeta(n, dtype, shape) for n, shape in engine._pushed[1]]
-
-            def __iter__(self):
-                return iter(engine._pushed[0])
-
-        if self._nccl is None:
-            ws = int(self._request("GET", "/get_world_size", "the world size")["world_size"])
-            addr, port = _rendezvous()
-            self._nccl = WeightTransferTrainerFactory.trainer_init(
-                NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=ws + 1, rank=self.dist.rank),
-                client=HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout), source=PushedSource())
-        if self.dist.is_main:
-            self._request("POST", "/pause", "pause", params={"mode": "wait"})
-        self.version = self._pending_version
-        try:
-            self._nccl.send_weights()
-        finally:
-            if self.dist.is_main:
-                self._request("POST", "/reset_prefix_cache", "the prefix-cache reset")
-                self._request("POST", "/resume", "resume")
 
     def _check_probe(self, mine: list[float]) -> dict[str, float]:
         """The server must now give the probe sequence the learner's log-probs (to the precision's
@@ -492,7 +344,5 @@ class VLLMServerEngine:
         finally:
             if held:
                 self._sync_lock.release()
-        if self._nccl is not None:
-            self._nccl.shutdown()
-            self._nccl = None
+        self.transport.close()
         self.http.close()
