@@ -39,8 +39,9 @@ class FakeSpec(WorkerSpec):
 def _rebuild(fields: dict) -> FakeSpec:
     global _SPEC
     import unison.rollout.native as native
+    import unison.rollout.worker as worker
 
-    native.NativeEngine = FakeEngine  # in the worker: its engine is this one
+    native.NativeEngine = worker.NativeEngine = FakeEngine  # in the worker: its engine is this one
     _SPEC = FakeSpec(**fields)
     return _SPEC
 

@@ -36,7 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from unison import lora
+from unison.config.values import parse_compile, parse_gemm
 from unison.errors import UnisonError
+from unison.models import save_model_dir
+from unison.sync import weights_of
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -140,11 +144,7 @@ def save_model(scorer, path: Path, tokenizer) -> None:
     or with LoRA the adapters in PEFT's format (+ the tokenizer)."""
     weights = full_state_dict(scorer)
     if scorer.dist.is_main:
-        from unison.models import save_model_dir
-
         if scorer.peft is not None:
-            from unison import lora
-
             lora.save(scorer.peft, weights, path)
             tokenizer.save_pretrained(path)
         else:
@@ -159,8 +159,6 @@ def read_model(scorer, path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if scorer.peft is not None:
-        from unison import lora
-
         weights = lora.load(path)
         expected = {n for n, p in scorer.model.named_parameters() if ".lora_" in n}
         if set(weights) != expected:
@@ -306,7 +304,6 @@ class Checkpointer:
             kind, keys, *rest = r["numpy"]  # the keys: a tensor, or a numpy array (written by an older unison)
             np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
         step = state["step"]
-        from unison.sync import weights_of
 
         self.source.resume(weights_of(self.learner), step, read_kept_versions(ck / KEPT))
         return step, None
@@ -335,8 +332,6 @@ def resumed_choice(cfg, run_dir: Path, key: str) -> str:
     """``gemm: auto`` / ``compile: auto`` on --resume: what the run chose at its start (its config.yaml), so that
     the resumed steps round as the first ones did; an explicit choice is taken as given."""
     import yaml
-
-    from unison.config.values import parse_compile, parse_gemm
 
     parse = {"gemm": parse_gemm, "compile": parse_compile}[key]
     if getattr(cfg, key) != "auto":

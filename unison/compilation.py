@@ -41,7 +41,11 @@ from pathlib import Path
 import torch
 
 from unison.config.values import parse_compile
+from unison.data_io import atomic_write_text
 from unison.errors import UnisonError
+from unison.models import model_config
+from unison.models import unison_home
+from unison.rollout.decode import FastWeights, compiled_layer_forward, layer_forward
 from unison.threads import SMALL_MODEL, cpu_name, size_text
 
 #: a side compiles under ``auto`` only this much faster than eager
@@ -172,8 +176,6 @@ def one_layer_model(model_dir):
     measurements time (the shapes are the model's; the values do not matter to a timing)."""
     from transformers import AutoModelForCausalLM
 
-    from unison.models import model_config
-
     cfg = model_config(Path(model_dir))
     cfg.num_hidden_layers = 1
     if hasattr(cfg, "layer_types") and cfg.layer_types:
@@ -195,9 +197,6 @@ def _best(fn, rounds: int) -> float:
 def measure_engine(model_dir, shape: RunShape, packed: bool, log=None, rounds: int = 5) -> dict:
     """One decoder layer's decode step at the run's batch (``rows`` responses, a context of the prompt and half
     the new tokens), eager and compiled: seconds per run step (× layers × new tokens) and the compile's seconds."""
-    from unison.models import model_config
-    from unison.rollout.decode import FastWeights, compiled_layer_forward, layer_forward
-
     layers = model_config(Path(model_dir)).num_hidden_layers
     model = one_layer_model(model_dir)
     fast = FastWeights(model, packed, shape.rows)
@@ -231,8 +230,6 @@ def measure_engine(model_dir, shape: RunShape, packed: bool, log=None, rounds: i
 def measure_learner(model_dir, shape: RunShape, log=None, rounds: int = 3) -> dict:
     """One decoder layer's forward and backward on a micro-batch of the run's token budget, eager and compiled:
     seconds per run step (× layers × micro-batches) and the compile's seconds."""
-    from unison.models import model_config
-
     layers = model_config(Path(model_dir)).num_hidden_layers
     model = one_layer_model(model_dir)
     layer = model.model.layers[0]
@@ -264,14 +261,10 @@ def measure_learner(model_dir, shape: RunShape, log=None, rounds: int = 3) -> di
 # ----------------------------------------------------------------------------- the kept measurements
 def default_cache() -> Path:
     """Where the measurements are kept: beside the models unison caches (``$UNISON_HOME``, default ~/.cache/unison)."""
-    from unison.models import unison_home
-
     return unison_home() / "compile.json"
 
 
 def _cache_key(model_dir, shape: RunShape, packed: bool) -> str:
-    from unison.models import model_config
-
     cfg = model_config(Path(model_dir))
     arch = (getattr(cfg, "model_type", "?"), cfg.hidden_size, getattr(cfg, "intermediate_size", 0),
             cfg.num_hidden_layers, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", 0),
@@ -293,8 +286,6 @@ def _read_cache(path: Path | None) -> dict:
 
 def _write_cache(path: Path | None, key: str, value: dict) -> None:
     """Add one measurement (atomically: a reader never sees half a file; a failure to write costs a re-measure)."""
-    from unison.data_io import atomic_write_text
-
     path = path or default_cache()
     try:
         data = _read_cache(path)

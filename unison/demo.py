@@ -32,7 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unison.config import Config
+from unison.config import config_from_dict
+from unison.data_io import atomic_write_text
+from unison.data_io import read_metrics
 from unison.errors import UnisonError
+from unison.ledger import TERMS
+from unison.plots import demo_plot, ledger_plot
+from unison.report import markdown_table
+from unison.report import summarize
+from unison.sanity import run_sanity
+from unison.sanity import warm_start
 
 #: part 2: the cure, as an arm variant (name suffix, config overrides)
 CURE = ("-qat", {"train": {"quantization_aware": True}})
@@ -168,9 +177,6 @@ def seed_warm_start(cfg: Config, part_dir: Path, name: str, k: int, max_prompts:
 
 def _arm(job: dict) -> list[str]:
     """One arm of ``unison sanity`` in a process of its own (a worker of the demo's pool)."""
-    from unison.config import config_from_dict
-    from unison.sanity import run_sanity
-
     cfg = config_from_dict(job["cfg"])
     variant = (job["variant"][0], job["variant"][1]) if job["variant"] else None
     prefix = job["label"]
@@ -188,9 +194,6 @@ def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions:
              from_scratch: bool = False, workers: int = 2) -> dict:
     """Run the demo's two parts (``out/precision``, ``out/collapse``), ``workers`` runs at a time, and write
     ``out/report.md``."""
-    from unison.report import summarize
-    from unison.sanity import warm_start
-
     seeds = list(SEEDS if seeds is None else seeds)
     t0 = time.perf_counter()
     parts = {"precision": (precision_cfg, max_prompts), "collapse": (collapse_cfg, collapse_prompts)}
@@ -259,8 +262,6 @@ def _run_all(jobs: list[dict], workers: int) -> list[list[str]]:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    from unison.data_io import read_metrics
-
     return read_metrics(run_dir / "metrics.jsonl")
 
 
@@ -357,10 +358,6 @@ def write_demo_report(out: Path, prec_dirs, runs, per_seed, headline: str, cfg1:
                       wall: dict, regime: Regime = REGIMES["int4"], n_seeds: int = 1) -> Path:
     """``out/report.md``: part 1's table, part 2 per run and per seed, the curves, the ledger, the headline.
     ``runs``: part 2's (label, run directory), kind by kind, ``n_seeds`` of each."""
-    from unison.data_io import atomic_write_text, read_metrics
-    from unison.plots import demo_plot, ledger_plot
-    from unison.report import markdown_table, summarize
-
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     series = [(lab, read_metrics(d / "metrics.jsonl")) for lab, d in runs]
@@ -397,9 +394,6 @@ def write_demo_report(out: Path, prec_dirs, runs, per_seed, headline: str, cfg1:
 
 def ledger_table(runs) -> list[str]:
     """Markdown rows: per run, the mean ``ledger/<term>_k3`` over its ledger steps and each term's share."""
-    from unison.data_io import read_metrics
-    from unison.ledger import TERMS
-
     rows, used = [], []
     for name, d in runs:
         logged = [r for r in read_metrics(d / "metrics.jsonl") if "ledger/total_k3" in r]

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from unison.errors import UnisonError
+from unison.mismatch import first_difference
+from unison.models import decode_path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #: (rows per block of the token-wise ops, query rows per attention block, rows per output-layer block):
@@ -52,8 +54,6 @@ BLOCKS = ((16, 4, 64), (32, 8, 64), (8, 2, 8), (64, 16, 64))
 
 
 def check_supported(config, where: str = "exact mode") -> None:
-    from unison.models import decode_path
-
     if config.model_type not in FAMILIES or decode_path(config) != "fast":
         raise UnisonError(f"{where} runs Llama, Mistral (without a sliding window), Qwen2 and Qwen3 models; "
                           f"'{config.model_type}' is not one: turn exact off for this model")
@@ -480,8 +480,6 @@ def divergence_report(learner, engine, batch, rows, logp_pi) -> str:
     """Where exact mode's two sides first differ: the row and position, and — replaying that row
     alone through the engine's decode and the learner's forward — the first layer and op whose
     outputs differ."""
-    from unison.mismatch import first_difference
-
     where = first_difference(logp_pi[rows], batch.logp_mu[rows], batch.response_mask[rows]) or "nowhere"
     try:
         op = _first_divergent_op(learner, engine, batch, int(rows[(logp_pi[rows] != batch.logp_mu[rows])

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import torch
 
+from unison import runtime
+from unison.data_io import atomic_write_text
 from unison.errors import UnisonError
+from unison.models import load_tokenizer, resolve_model_dir
+from unison.precision import Precision
 from unison.rollout import SamplingParams
+from unison.rollout import check_engine_available, make_engine
+from unison.rollout import generate
+from unison.tasks import make_reward, make_task
 
 
 def parse_band(text: str | None) -> tuple[float, float] | None:
@@ -39,8 +46,6 @@ def in_band(rate: float, band: tuple[float, float] | None) -> bool:
 def pass_rates(engine, task, reward, items, tokenizer, k: int, temperature: float, max_new_tokens: int,
                seed: int, chunk: int = 256) -> list[float]:
     """Fraction of ``k`` samples per item that the verifier accepts."""
-    from unison.rollout import generate
-
     rates = []
     params = SamplingParams(n=k, temperature=temperature, max_tokens=max_new_tokens, seed=seed)
     for s in range(0, len(items), chunk):
@@ -62,13 +67,6 @@ def run_filter(cfg, out_file: Path, k: int = 8, band: tuple[float, float] | None
                max_prompts: int | None = None, log=print) -> dict:
     """Sample ``k`` responses per training prompt of ``cfg.task`` with ``cfg.model``; write
     the prompts whose pass rate is in ``band`` as JSONL (``prompt``, ``answer``, ``pass_rate``)."""
-    from unison import runtime
-    from unison.data_io import atomic_write_text
-    from unison.models import load_tokenizer, resolve_model_dir
-    from unison.precision import Precision
-    from unison.rollout import check_engine_available, make_engine
-    from unison.tasks import make_reward, make_task
-
     if k < 1:
         raise UnisonError(f"--k {k} is invalid: sample at least one response per prompt")
     model_dir = resolve_model_dir(cfg.model)

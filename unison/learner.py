@@ -15,14 +15,20 @@ from pathlib import Path
 
 import torch
 
+from unison import lora
 from unison import moe
+from unison.algorithms.losses import LOSSES, aggregate
+from unison.algorithms.presets import loss_kwargs
+from unison.algorithms.presets import resolve_policy
 from unison.batch import RolloutBatch
 from unison.distributed import Dist, current, full_tensor
 from unison.optim import GradNoiseProbe, adamw
 from unison.policy import Scorer, ScoringOptions
 from unison.precision import Precision
+from unison.precision import make_grad_scaler
 from unison.runtime import small_model
 from unison.sides import Side
+from unison.sides import config_sides
 
 
 @dataclass
@@ -63,10 +69,6 @@ class Learner(Scorer):
         """A learner ready to train: the config's optimizer, loss scaler and policy; ``side``: its numerics as the
         run decided them (the :class:`~unison.sides.Machine`'s learner; from the config alone when not given);
         ``policy`` as the caller resolved it (resolved here when not given)."""
-        from unison.algorithms.presets import resolve_policy
-        from unison.precision import make_grad_scaler
-        from unison.sides import config_sides
-
         prec = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision)
         side = side or config_sides(cfg, prec, (dist or current()).world_size)[1]
         t = cfg.train
@@ -103,9 +105,6 @@ class Learner(Scorer):
         where a correction drops some from it (M2PO under a token mean, AReaL's normaliser); the response tokens
         otherwise. The entropy and the metrics' weights stay over the response tokens.
         """
-        from unison.algorithms.losses import LOSSES, aggregate
-        from unison.algorithms.presets import loss_kwargs
-
         if self.opt is None:
             raise RuntimeError("this learner was built for scoring only: use Learner.from_config")
         t, pol, ws, rank = self.train_cfg, self.policy, self.dist.world_size, self.dist.rank
@@ -113,8 +112,6 @@ class Learner(Scorer):
             g["lr"] = lr
         self.model.eval()  # dropout off in every forward, as in the score pass (TRL: disable_dropout)
         if self.peft is not None:  # except LoRA's own dropout, when configured, in training forwards
-            from unison import lora
-
             for d in lora.dropout_modules(self.model):
                 d.train()
         loss_fn, loss_kw = LOSSES[pol["loss"]], loss_kwargs(pol)

@@ -42,7 +42,10 @@ import torch
 from unison.batch import by_version
 from unison.errors import UnisonError
 from unison.mismatch import k1, k3
+from unison.rollout import SamplingParams
+from unison.rollout.native import NativeEngine
 from unison.sides import KNOBS, Side
+from unison.sync import stale_tensors
 
 TERMS = ("decode", "engine", "quantization", "truncation", "routing", "compile", "staleness", "merge")
 
@@ -253,8 +256,6 @@ def build_ledger(cfg, learner, source, model_dir, engine: Side) -> Ledger | None
         term, reason = next(iter(p.unmeasured.items()))
         raise UnisonError(f"mismatch.ledger=on, but its {term} term cannot be measured in this run ({reason}): "
                           f"set mismatch.ledger=auto (that term is then merged into its neighbour) or off")
-    from unison.rollout.native import NativeEngine
-    from unison.sync import stale_tensors
 
     held = (lambda: stale_tensors(source.engine, learner)) if isinstance(source.engine, NativeEngine) else None
     return Ledger(learner, p, engine, rescore=rescore, weights=source.weights, held_weights=held)
@@ -264,9 +265,6 @@ def _rescorer(cfg, source, model_dir, side: Side, device):
     """``(fn(batch, version) -> the engine's log μ by a prefill pass, None)``, or ``(None, why not)``. A synchronous
     native engine still holds the weights it sampled with; a worker's engine is rebuilt here, in the trainer's
     process, and loaded with the ring's weights of the version asked for."""
-    from unison.rollout import SamplingParams
-    from unison.rollout.native import NativeEngine
-
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     engine = source.engine

@@ -23,6 +23,8 @@ import contextlib
 import torch
 
 from unison.errors import UnisonError
+from unison.models import FAST_PATH_TYPES
+from unison.models import logit_transform
 from unison.precision import autocast
 
 #: unit roundoff of each compute dtype: half the distance from 1 to the next representable number
@@ -36,8 +38,6 @@ ROUNDING_SLACK = 4.0
 def check_locatable(model) -> None:
     """Refuse a model whose decoder is not one whose ops it names: the Llama family (Llama, Mistral, Qwen2, Qwen3 —
     the native engine's fused path), where the modules below mean what the op names say."""
-    from unison.models import FAST_PATH_TYPES
-
     kind = getattr(model.config, "model_type", "?")
     core = getattr(model, "model", None)
     layers = getattr(core, "layers", None)
@@ -134,8 +134,6 @@ def learner_trace(scorer, batch, temperature: float) -> dict[str, torch.Tensor]:
     recorded; ``head`` as :func:`engine_trace`'s, through the output layer's own matmul (the learner's scoring pass
     takes log π of the sampled token through its fused head, equal to it within fp32 rounding: the ledger's chain
     measures that pass)."""
-    from unison.models import logit_transform
-
     model = scorer.model
     check_locatable(model)
     want = want_positions(batch).to(scorer.device)

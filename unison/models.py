@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from unison import gemm
 from unison.errors import UnisonError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -313,7 +314,6 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     except OSError as e:
         raise UnisonError(f"cannot load weights from '{model_dir}' ({e}): check the directory "
                           f"holds model.safetensors or pytorch_model.bin") from e
-    from unison import gemm
 
     return gemm.apply(model.to(device).eval())  # fp32 linears by the process's chosen library (gemm: ...)
 

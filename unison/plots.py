@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from unison.data_io import read_metrics  # noqa: E402
+from unison.ledger import TERMS
 
 
 def probe_plots(results: list[dict], samples: list[dict], plot_dir: Path) -> list[Path]:
@@ -152,8 +153,6 @@ def run_plots(run_dirs, out_dir: Path | None = None, labels: list[str] | None = 
 def ledger_plot(series: list[tuple[str, list[dict]]], out_dir: Path) -> Path | None:
     """The mismatch ledger of each run that has one: every term's share of Σk3, stacked, per logged step, with
     the total token k3 on a second axis (unison/ledger.py). None when no run logged a ledger."""
-    from unison.ledger import TERMS
-
     runs = [(label, [r for r in rows if "ledger/total_k3" in r]) for label, rows in series]
     runs = [(label, rows) for label, rows in runs if rows]
     if not runs:

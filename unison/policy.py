@@ -21,12 +21,18 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from unison import lora
+from unison import lora as adapters
 from unison import moe
 from unison.batch import RolloutBatch, micro_batches
 from unison.distributed import Dist, current, decoder_layers, full_tensor, shard
 from unison.errors import UnisonError
+from unison.exact import ExactForward
+from unison.exact import learner_logprobs
 from unison.logprobs import DEFAULT_CHUNK, PolicyForward, token_logprobs
 from unison.models import load_model, model_shell, use_packed_attention
+from unison.quant import QuantizationAware
+from unison.rollout.decode import no_duck_sizing
 from unison.sides import Side
 
 
@@ -71,8 +77,6 @@ class Scorer:
             load_model(self.model_dir, dtype=torch.float32, device=str(self.device))  # masters
         self.peft = None
         if lora is not None and lora.rank > 0:  # adapters injected in place; only they train
-            from unison import lora as adapters
-
             self.peft = adapters.apply(self.model, lora, self.model_dir)
         self.forward_module = PolicyForward(self.model, aux_loss_coef=options.aux_loss_coef)
         #: exact mode: the forward shared with the native engine (unison/exact.py)
@@ -143,8 +147,6 @@ class Scorer:
 
     def quantizer(self, fmt: str, group_size: int):
         """The quantizer of ``fmt`` on this scorer's forward (made, switched off, the first time asked)."""
-        from unison.quant import QuantizationAware
-
         key = (fmt, group_size)
         if key not in self._quantizers:
             self._quantizers[key] = QuantizationAware(self.model, fmt, group_size)
@@ -227,8 +229,6 @@ class Scorer:
         if teacher is not None and (self.exact is not None or self.packing):
             raise UnisonError("distill.estimator=full runs on the padded layout: set train.packing=false and exact=false")
         if self.exact is not None:  # the engine's forward, on the engine's layout, weights cast to its dtype
-            from unison.exact import learner_logprobs
-
             with self.qat.swapped(self.model) if self.qat is not None else contextlib.nullcontext():
                 weights = self.exact.weights(self.side.dtype)
             lp, ent = learner_logprobs(self.exact, weights,
@@ -316,8 +316,6 @@ class Scorer:
         on the learner's side. Collective when sharded: every rank must iterate it to the end.
         With LoRA: the merged weights W + (α/r)·B·A under the base model's names."""
         if self.peft is not None:
-            from unison import lora
-
             params = lora.merged_weights(self.model, full_tensor)
         else:
             params = ((n, full_tensor(p.detach())) for n, p in self.model.named_parameters())
@@ -328,8 +326,6 @@ class Scorer:
         """``(name, full shape)`` of every tensor :meth:`export_weights` yields, in its order, without
         materialising any (what a weight transfer announces before sending). With LoRA: the base names."""
         if self.peft is not None:
-            from unison import lora
-
             return lora.merged_shapes(self.model)
         return [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
 
@@ -355,8 +351,6 @@ def _is_compiled(model) -> bool:
 def _compile_layer(layer: torch.nn.Module) -> None:
     """``layer.compile(dynamic=True)``, keeping the compiled call (``_unison_compiled``) so that
     :func:`compiled_as` can switch it off and on."""
-    from unison.rollout.decode import no_duck_sizing
-
     no_duck_sizing()
     before = layer._compiled_call_impl
     layer.compile(dynamic=True)
@@ -377,8 +371,6 @@ def _swapped(scorer: Scorer, weights: dict[str, torch.Tensor] | None):
     params = dict(scorer.model.named_parameters())
     adapters = contextlib.nullcontext()
     if scorer.peft is not None:
-        from unison import lora
-
         params = {**params, **lora.base_params(scorer.model)}
         adapters = scorer.peft.disable_adapter()
     saved = {n: params[n].data for n in weights}
@@ -405,8 +397,6 @@ def packing_plan(model, packing: bool, is_moe: bool, exact: bool) -> tuple[bool,
 
 
 def _exact_forward(model, dist: Dist, peft):
-    from unison.exact import ExactForward
-
     if dist.enabled:
         raise UnisonError("exact mode runs in one process (FSDP gathers weights through its own hooks): "
                           "launch without torchrun, or set exact=false")

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from unison import checkpoint as ckpt
+from unison.algorithms.losses import PER_TOKEN_ADVANTAGES
+from unison.algorithms.presets import resolve_policy
+from unison.compilation import check as check_compile
 from unison.config import Config, dump_config
+from unison.config import PATH_KEYS
+from unison.data_io import read_metrics
 from unison.distributed import under_torchrun
 from unison.errors import UnisonError
+from unison.exact import check_supported
+from unison.models import model_config
+from unison.precision import Precision
+from unison.tasks.env import is_multi_turn
+from unison.tasks.env import tokens_after_prompt
 
 
 def _check_distill_settings(cfg: Config) -> None:
-    from unison.algorithms.losses import PER_TOKEN_ADVANTAGES
-    from unison.algorithms.presets import resolve_policy
-
     if cfg.algo == "opd" and not cfg.distill.teacher:
         raise UnisonError("algo=opd distills from a teacher but distill.teacher is not set: name its model, "
                           "e.g. --set distill.teacher=runs/demo/sft/model")
@@ -54,7 +62,6 @@ def check_settings(cfg: Config) -> None:
                           f"launch with `torchrun --nproc-per-node N -m unison train ...`, or remove "
                           f"the distributed section")
     check_device(cfg.device)
-    from unison.compilation import check as check_compile
 
     check_compile(cfg.compile, cfg.exact, 2 if under_torchrun() else 1, cfg.train.quantization_aware)
     if cfg.train.quantization_aware:
@@ -77,8 +84,6 @@ def check_settings(cfg: Config) -> None:
         raise UnisonError(f"train.schedule=mismatch_budget watches mismatch/staleness_k3, which this run never logs "
                           f"({why}): set train.mismatch_budget.metric=mismatch/k3")
     if cfg.lora.rank and cfg.lora.dropout:
-        from unison.algorithms.presets import resolve_policy
-
         anchor = resolve_policy(cfg.algo, cfg.policy)["anchor"]
         if anchor in ("bypass", "loglinear"):
             raise UnisonError(f"policy.anchor={anchor} reads π_old and the measured mismatch from the training forward, "
@@ -112,8 +117,6 @@ def check_device(device: str, flag: str = "device") -> None:
 
 
 def _check_exact_settings(cfg: Config) -> None:
-    from unison.tasks.env import is_multi_turn
-
     if is_multi_turn(cfg):
         raise UnisonError(f"exact mode fixes one prompt width and one response per row, and task '{cfg.task.name}' "
                           f"is multi-turn (each turn's prompt grows): set exact=false")
@@ -151,7 +154,6 @@ def _check_quantization_aware(cfg: Config) -> None:
     if cfg.engine != "native":
         raise UnisonError(f"train.quantization_aware computes through unison's own quantizer (unison/quant.py), and "
                           f"engine '{cfg.engine}' quantizes with its own kernels: use engine=native")
-    from unison.precision import Precision
 
     learner = Precision.resolve(cfg.precision, cfg.rollout_precision, cfg.learner_precision).learner
     if cfg.distributed.param_dtype == "compute" and learner != "fp32":
@@ -211,9 +213,6 @@ def check_data(cfg: Config, task, world_size: int) -> None:
 
 
 def check_context(cfg: Config, model_dir: Path, task, prompt_ids) -> None:
-    from unison.models import model_config
-    from unison.tasks.env import is_multi_turn, tokens_after_prompt
-
     limit = getattr(model_config(model_dir), "max_position_embeddings", None)
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     need = len(prompt_ids[longest]) + tokens_after_prompt(cfg)
@@ -229,9 +228,6 @@ def check_context(cfg: Config, model_dir: Path, task, prompt_ids) -> None:
 def exact_layout(cfg: Config, model_dir: Path, task, tokenizer, prompt_ids) -> tuple[int, int]:
     """The model family exact mode needs, and the fixed layout (prompt width, total length) the
     engine's cache and the learner's batches share."""
-    from unison.exact import check_supported
-    from unison.models import model_config
-
     check_supported(model_config(model_dir))
     eval_ids = [task.encode(tokenizer, it) for it in task.eval] if cfg.train.eval_every else []
     width = max(len(p) for p in prompt_ids + eval_ids)
@@ -278,9 +274,6 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
 
 def never_started(d: Path) -> bool:
     """A run directory a run left before finishing its first step: nothing in it is worth keeping."""
-    from unison import checkpoint as ckpt
-    from unison.data_io import read_metrics
-
     metrics = d / "metrics.jsonl"
     try:
         has_steps = metrics.exists() and bool(read_metrics(metrics))
@@ -291,8 +284,6 @@ def never_started(d: Path) -> bool:
 
 def _same_path(key: str, old, new) -> bool:
     """A run written before paths were saved absolute: its relative path, read from here, is the new one."""
-    from unison.config import PATH_KEYS
-
     if key not in (*PATH_KEYS, "task.reward") or not isinstance(old, str) or not isinstance(new, str):
         return False
     return Path(old.rsplit(":", 1)[0] if key == "task.reward" else old).resolve() == \

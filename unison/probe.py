@@ -17,19 +17,37 @@ from pathlib import Path
 
 import torch
 
+from unison import ledger
+from unison import locate
 from unison import moe
 from unison.batch import collate
+from unison.compilation import sides
+from unison.config import TaskConfig, load_config
+from unison.config.schema import LoRAConfig
+from unison.config.values import parse_compile
 from unison.data_io import atomic_write_text, read_jsonl
 from unison.errors import UnisonError
+from unison.exact import check_supported, self_check
 from unison.learner import Learner
-from unison.policy import ScoringOptions
+from unison.ledger import TERMS
+from unison.locate import check_locatable
+from unison.locate import locate_markdown
+from unison.lora import _lora_layers
 from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
 from unison.models import load_tokenizer, model_config, resolve_model_dir
+from unison.models import model_shell
+from unison.plots import probe_plots
+from unison.policy import ScoringOptions
 from unison.precision import Precision, parse_precision
+from unison.preflight import check_device
 from unison.quant import check_format_available, parse_quantization
+from unison.quant import check_targets
+from unison.retokenize import retokenize_metrics
 from unison.rollout import SamplingParams, check_engine_available, generate, make_engine, parse_engine
 from unison.sides import Side
 from unison.sync import sync
+from unison.tasks import TASKS, make_task, task_class
+from unison.tasks.env import episode_metrics
 
 
 @dataclass
@@ -129,9 +147,6 @@ class ProbeInputs:
 def probe_task(spec: str, items: int = 8):
     """``--task``: ``(task, its first items, task.max_episode_tokens)`` for a built-in multi-turn task's name or a
     YAML config whose task is multi-turn."""
-    from unison.config import TaskConfig, load_config
-    from unison.tasks import TASKS, make_task, task_class
-
     builtin = [n for n in TASKS if n != "env" and task_class(n).multi_turn]
     if spec.endswith((".yaml", ".yml")):
         tcfg = load_config(spec).task
@@ -151,8 +166,6 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     """Check every input before anything runs or is written: names, numbers, the prompts
     file, the model directory, and that every prompt plus ``max_new_tokens`` fits the
     model's context (``max_position_embeddings``) — before any engine is built."""
-    from unison.preflight import check_device
-
     check_device(cfg.device, "--device")
     if cfg.exact and torch.device(cfg.device).type == "cuda":
         raise UnisonError("--exact is built for CPUs: cuBLAS picks kernels by shape and no batch-invariant GPU "
@@ -167,7 +180,6 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
         if q != "none" and engines != ["native"]:
             raise UnisonError(f"--quantization {q} runs on the native engine (vLLM quantizes only on GPUs, as "
                               f"`rollout.quantization: fp8` in training): use --engine native")
-    from unison.config.values import parse_compile
 
     compiles = [parse_compile(c) for c in cfg.compiles]
     if not compiles or "auto" in compiles:
@@ -245,14 +257,8 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
                     f"{cfg.max_new_tokens} that exceeds the model's context of {limit} "
                     f"(max_position_embeddings): shorten or drop that prompt, or lower --max-new-tokens")
     if cfg.locate:  # the ops it reads exist in this architecture, before anything is sampled
-        from unison.locate import check_locatable
-        from unison.models import model_shell
-
         check_locatable(model_shell(model_dir))
     if any(q != "none" for q in quantizations):  # int4 group size vs this model's weights, before sampling
-        from unison.models import model_shell
-        from unison.quant import check_targets
-
         shell = model_shell(model_dir)
         for q in quantizations:
             if q != "none":
@@ -293,16 +299,12 @@ class Arm:
         return f"{self.engine}{'-exact' if self.exact else ''}/{self.precision.label}{''.join(self.tags)}"
 
     def engine_side(self, cfg: ProbeConfig) -> Side:
-        from unison.compilation import sides
-
         return Side(dtype=self.precision.rollout_dtype, quantization=self.quantization,
                     group_size=cfg.quant_group_size, routing_replay=True, compiled=bool(sides(self.compile)[0]),
                     exact=self.exact)
 
     def learner_side(self, cfg: ProbeConfig, params: str = "fp32", quantized: bool = False,
                      replay: bool = False) -> Side:
-        from unison.compilation import sides
-
         return Side(dtype=self.precision.learner_dtype, params=params,
                     quantization=self.quantization if quantized else "none", group_size=cfg.quant_group_size,
                     support_replay=replay, compiled=bool(sides(self.compile)[1]), exact=self.exact)
@@ -366,8 +368,6 @@ class _Learners:
         return self.plain
 
     def build_exact(self, precisions: list[str]) -> None:
-        from unison.exact import check_supported, self_check
-
         check_supported(model_config(self.model_dir), "--exact")
         self.exact = Learner(self.model_dir, Side(exact=True), self.options)
         self.exact_ops = self_check(self.exact.exact, {Precision.resolve(p).rollout_dtype for p in precisions},
@@ -436,8 +436,6 @@ def _sample(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, width: int, learner
         if cfg.ledger and not arm.exact:  # the decode term
             out.rescored = engine.score(batch, params)
         if cfg.locate and not arm.exact:  # the engine's side of --locate, before the engine closes
-            from unison import locate
-
             out.traced = batch.select(list(range(min(cfg.locate_rows, batch.size))))
             out.engine_ops = locate.engine_trace(engine, out.traced, cfg.temperature)
         return out
@@ -462,9 +460,6 @@ def _score(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, scorer, sampled: Sam
         t_score = time.perf_counter() - t0
         metrics = mismatch_metrics(logp_pi, batch.logp_mu, mask)
         if inputs.task is not None:  # episodes: their shape, and what re-tokenizing them would train on
-            from unison.retokenize import retokenize_metrics
-            from unison.tasks.env import episode_metrics
-
             metrics.update(episode_metrics([c.episode for c in sampled.completions]))
             metrics.update(retokenize_metrics(scorer, sampled.completions, inputs.task.template, sampled.pad_id))
     if moe_routing:  # MoE: routing flips, and replaying them
@@ -499,8 +494,6 @@ def _score(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, scorer, sampled: Sam
 def _locate(arm: Arm, scorer, sampled: Sampled, row: dict, log) -> dict:
     """``--locate`` of an arm: where its engine and the plain learner (fp32 parameters, the arm's compute dtype)
     first part, op by op."""
-    from unison import locate
-
     with scorer.as_side(Side(dtype=arm.precision.learner_dtype)):
         found = locate.compare(sampled.engine_ops, locate.learner_trace(scorer, sampled.traced, scorer.temperature),
                                sampled.traced, arm.precision.rollout_dtype, len(scorer.model.model.layers))
@@ -513,8 +506,6 @@ def _locate(arm: Arm, scorer, sampled: Sampled, row: dict, log) -> dict:
 def _ledger(arm: Arm, cfg: ProbeConfig, scorer, sampled: Sampled) -> dict:
     """The mismatch ledger of one arm: its chain from the engine's log μ to the plain learner's log π (the first
     parameter dtype asked for, no quantizer, no replay, compiled as the arm says)."""
-    from unison import ledger
-
     batch = sampled.batch
     engine, learner = arm.engine_side(cfg), arm.learner_side(cfg, cfg.param_dtypes[0])
     p = ledger.plan(engine, learner, truncated=arm.truncated, moe=scorer.moe and "routing" in batch.extras,
@@ -527,9 +518,6 @@ def _ledger(arm: Arm, cfg: ProbeConfig, scorer, sampled: Sampled) -> dict:
 def _lora_learner(model_dir, cfg: ProbeConfig, rank: int) -> Learner:
     """A learner with LoRA adapters of ``rank`` on every linear layer, B drawn (seeded) so that each adapted weight
     moves by :data:`LORA_SCALE` of its norm: what a LoRA run's learner holds after some training."""
-    from unison.config.schema import LoRAConfig
-    from unison.lora import _lora_layers
-
     with torch.random.fork_rng():  # PEFT initialises A from torch's generator, which each process seeds its own way
         torch.manual_seed(cfg.seed + 7919 * rank)
         lrn = Learner(model_dir, options=ScoringOptions(device=cfg.device, temperature=cfg.temperature),
@@ -552,14 +540,10 @@ def _peak_rss_gib() -> float:
 
 def write_outputs(out: dict, out_dir: Path) -> list[Path]:
     """Write ``probe.json`` (atomically) and the plots into ``out_dir``."""
-    from unison.plots import probe_plots
-
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"results": out["results"], "config": out["config"]}
     written = [atomic_write_text(out_dir / "probe.json", json.dumps(payload, indent=2) + "\n")]
     if any(r.get("locate") for r in out["results"]):
-        from unison.locate import locate_markdown
-
         written.append(atomic_write_text(out_dir / "locate.md", locate_markdown(out["results"])))
     written += probe_plots(out["results"], out["samples"], out_dir / "plots")
     return written
@@ -577,8 +561,6 @@ def exact_failed(result: dict) -> bool:
 def format_ledger(results: list[dict]):
     """A rich Table of each arm's mismatch ledger: every term's k3 and its share of the sum."""
     from rich.table import Table
-
-    from unison.ledger import TERMS
 
     rows = [r for r in results if "ledger/total_k1" in r]
     terms = [t for t in TERMS if any(f"ledger/{t}_k3" in r for r in rows)]

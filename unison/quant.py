@@ -32,6 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from unison import lora
+from unison import moe
+from unison.algorithms.losses import SELF_CORRECTING
+from unison.distributed import decoder_layers
 from unison.errors import UnisonError
 
 FORMATS = ("none", "fp8", "int8", "int4")
@@ -207,7 +211,6 @@ class QuantizationAware:
         def forward(x, *args, **kwargs):
             if not self.enabled:
                 return original(x, *args, **kwargs)
-            from unison import lora
 
             base = layer.base_layer
             if layer.disable_adapters or layer.merged:
@@ -254,9 +257,6 @@ class QuantizationAware:
 
 def targets(model: torch.nn.Module) -> list[Target]:
     """The weights a quantized rollout quantizes (see the module docstring), in module order."""
-    from unison import moe
-    from unison.distributed import decoder_layers
-
     routers = {id(m) for m in moe.routers(model)}
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
     out = []
@@ -318,8 +318,6 @@ def quantization_warning(fmt: str, policy: dict, quantization_aware: bool = Fals
     """One start-up line when a quantized rollout runs without any correction (the algorithm is
     never changed silently); None when the learner is quantization-aware, or a correction or a
     self-correcting loss is in place."""
-    from unison.algorithms.losses import SELF_CORRECTING
-
     if fmt == "none" or quantization_aware or policy.get("correction") != "none" or policy.get("loss") in SELF_CORRECTING:
         return None
     return (f"rollout.quantization={fmt} with policy.correction=none: {fmt} rollout weights put the "

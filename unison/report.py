@@ -18,7 +18,10 @@ from pathlib import Path
 
 import yaml
 
+from unison.data_io import atomic_write_text
+from unison.data_io import read_metrics, read_text
 from unison.errors import UnisonError
+from unison.plots import run_plots
 
 WINDOW = 5
 
@@ -33,8 +36,6 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     a run, a damaged file or a run without a single training step is a :class:`UnisonError`.
     Metrics are read with :func:`unison.data_io.read_metrics` (a torn last line, the trace of
     a killed writer, is dropped; a damaged line elsewhere is an error)."""
-    from unison.data_io import read_metrics, read_text
-
     d = Path(run_dir)
     if not d.is_dir():
         raise UnisonError(f"'{d}' is not a run directory (no such directory): pass directories "
@@ -321,8 +322,6 @@ def paired_markdown(rows: list[dict], baseline: str, keys=PAIRED_KEYS, fmt: str 
 
 def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", notes: str = "",
                  baseline: str | None = None) -> Path:
-    from unison.plots import run_plots
-
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise UnisonError("no run directory given: pass one or more RUN_DIRs")
@@ -340,7 +339,6 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [s["arm"] for s in summaries]
     plots = run_plots(run_dirs, out_dir / "plots", labels=labels)
-    from unison.data_io import atomic_write_text
 
     lines = [f"# {title}", "", notes, "", markdown_table(summaries), "", definitions(summaries), ""]
     if paired is not None:

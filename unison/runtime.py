@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unison import gemm, threads
+from unison.models import model_shell
 from unison.threads import SMALL_MODEL, cpu_name  # noqa: F401 - cpu_name: re-exported
 
 
@@ -43,8 +44,6 @@ class ModelSizes:
 
 def model_sizes(model_dir) -> ModelSizes:
     """The sizes of the model in ``model_dir``, read from its architecture (built on the meta device, no weights)."""
-    from unison.models import model_shell
-
     shell = model_shell(Path(model_dir))
     cfg = shell.config
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)

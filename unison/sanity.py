@@ -19,7 +19,20 @@ from pathlib import Path
 
 from unison.config import (Config, config_from_dict, load_config, merge, override_keys, read_yaml,
                            resolve_paths)
+from unison.algorithms.presets import PRESETS
+from unison.algorithms.presets import resolve_policy
+from unison.data_io import read_metrics
 from unison.errors import UnisonError
+from unison.filter import run_filter
+from unison.models import resolve_model_dir
+from unison.precision import parse_precision
+from unison.quant import check_format_available, parse_quantization
+from unison.report import summarize, write_report
+from unison.rollout import check_engine_available
+from unison.runlog import plural
+from unison.sft import run_sft
+from unison.tasks import make_reward, make_task
+from unison.trainer import Trainer
 
 #: The built-in sanity recipe (CPU, built-in tiny model, 2-digit addition). Every
 #: key can be overridden with --set or a YAML file.
@@ -48,13 +61,6 @@ def run_sanity(cfg: Config, out: Path, precisions: list[str], algorithms: list[s
     """``variant`` = (name suffix, config overrides) applied to every arm of this call (e.g. ``("-qat",
     {"train": {"quantization_aware": True}})``); ``report`` False leaves the comparison report to the
     caller (``unison demo`` writes one over several calls). Returns (summaries, report path or None, arm dirs)."""
-    from unison.algorithms.presets import PRESETS
-    from unison.report import summarize, write_report
-    from unison.trainer import Trainer
-
-    from unison.quant import check_format_available, parse_quantization
-    from unison.runlog import plural
-
     precisions = [parse_arm_precision(p) for p in precisions]
     quantizations = [parse_quantization(q) for q in (quantizations or ["none"])]
     for q in quantizations:
@@ -123,10 +129,6 @@ def warm_start(cfg: Config, out: Path, k: int = 8, band=None, max_prompts: int |
     """The shared start of every arm under ``out``: the SFT warm start (``out/sft``) and the perfectible set
     (``out/perfectible.jsonl``), each made unless already there. Returns (the RL config on the SFT model, the
     set's path, seconds per stage made)."""
-    from unison.filter import run_filter
-    from unison.runlog import plural
-    from unison.sft import run_sft
-
     out.mkdir(parents=True, exist_ok=True)
     stage_s: dict[str, float] = {}  # SFT and filter, timed apart from the RL steps
 
@@ -154,8 +156,6 @@ def warm_start(cfg: Config, out: Path, k: int = 8, band=None, max_prompts: int |
 
 def _finished(run_dir: Path, steps: int) -> bool:
     """An arm that completed its steps (summary written, metrics up to the last step)."""
-    from unison.data_io import read_metrics
-
     if not (run_dir / "summary.json").exists():
         return False
     try:
@@ -167,8 +167,6 @@ def _finished(run_dir: Path, steps: int) -> bool:
 
 def parse_arm_precision(name: str) -> str:
     """``fp32 | bf16 | fp16``, optionally with ``-exact`` (the arm runs in exact mode)."""
-    from unison.precision import parse_precision
-
     text = str(name).strip().lower()
     if text.endswith("-exact"):
         return parse_precision(text.removesuffix("-exact")) + "-exact"
@@ -178,11 +176,6 @@ def parse_arm_precision(name: str) -> str:
 def _preflight(cfg: Config, algorithms: list[str]) -> None:
     """What the stages would refuse later, refused now: each arm's policy, the model directory,
     the engine, the task and its data, the reward function."""
-    from unison.algorithms.presets import resolve_policy
-    from unison.models import resolve_model_dir
-    from unison.rollout import check_engine_available
-    from unison.tasks import make_reward, make_task
-
     for a in algorithms:
         resolve_policy(a, cfg.policy)
     resolve_model_dir(cfg.model)

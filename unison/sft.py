@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from unison import runtime
+from unison.errors import UnisonError
 from unison.filter import pass_rates
-from unison.optim import adamw
 from unison.logprobs import token_logprobs
 from unison.models import load_model, load_tokenizer, resolve_model_dir, save_model_dir, unknown_characters
+from unison.optim import adamw
 from unison.rollout import make_engine
 from unison.schedules import LRSchedule
 from unison.tasks import make_reward, make_task
@@ -32,8 +33,6 @@ def _examples(task, tokenizer):
     if task.multi_turn:
         out = [task.demonstration_ids(tokenizer, item) for item in task.train]
         if any(x is None for x in out):
-            from unison.errors import UnisonError
-
             raise UnisonError(f"environment {task.env} has no demonstration(item) for unison sft: add a static "
                               f"method that returns the turns after reset (unison/tasks/env.py)")
         return out

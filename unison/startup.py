@@ -9,6 +9,7 @@ from __future__ import annotations
 from unison.models import unknown_characters
 from unison.quant import quantization_warning
 from unison.runlog import plural
+from unison.tasks.env import describe
 
 
 def startup_lines(tr) -> list[str]:
@@ -22,8 +23,6 @@ def startup_lines(tr) -> list[str]:
     if tr.learner.packing_note:
         out.append(f"[train] train.packing: {tr.learner.packing_note}")
     if tr.task.multi_turn:
-        from unison.tasks.env import describe
-
         out.append(describe(tr.task, cfg))
     ahead = f", engine up to {plural(r.max_staleness, 'version')} ahead ({r.stale_policy})" if r.max_staleness else ""
     if r.max_staleness and cfg.mismatch.decompose_every and not tr.learner.can_score_other_weights:

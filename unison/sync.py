@@ -6,6 +6,7 @@ holds what the last sync should have loaded.
 
 from __future__ import annotations
 
+from unison.batch import Completion, collate
 from unison.rollout.base import Weights, WeightUpdate, push
 
 
@@ -37,8 +38,6 @@ def stale_tensors(engine, learner) -> tuple[int, int]:
 def probe_logprobs(learner, ids: list[int], pad_id: int) -> list[float]:
     """The learner's log-probs of ``ids[1:]`` after ``ids[0]`` at temperature 1 — a server's prompt log-probs
     are the raw model's, whatever the sampling temperature (a collective when sharded)."""
-    from unison.batch import Completion, collate
-
     batch = collate([Completion(prompt_ids=ids[:1], token_ids=ids[1:], logprobs=[0.0] * (len(ids) - 1),
                                 finish_reason="length")], pad_id)
     return learner.score(batch, temperature=1.0)[0, 1:len(ids)].tolist()

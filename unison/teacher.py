@@ -9,8 +9,14 @@ import torch
 
 from unison.algorithms.distill import reverse_kl_advantages, reverse_kl_metrics
 from unison.errors import UnisonError
+from unison.logprobs import selected_positions
+from unison.mismatch import k1, k3
 from unison.models import load_tokenizer, resolve_model_dir
+from unison.models import logit_transform
 from unison.policy import Scorer, ScoringOptions
+from unison.rollout import SamplingParams
+from unison.rollout.native import NativeEngine
+from unison.rollout.vllm_server import VLLMServerEngine
 from unison.sides import Side
 
 
@@ -47,8 +53,6 @@ class Teacher:
         #: distill.teacher_url: the served teacher (a vLLM server; no weight sync: it is frozen)
         self.served = None
         if d.teacher_url:
-            from unison.rollout.vllm_server import VLLMServerEngine
-
             self.served = VLLMServerEngine(self.model_dir, url=d.teacher_url, weight_sync="none",
                                            request_timeout_s=cfg.vllm.request_timeout_s, retries=cfg.vllm.retries)
 
@@ -58,8 +62,6 @@ class Teacher:
         """The teacher's last hidden states [n, d_T] at the positions the student's forward scores
         (:func:`unison.policy.selected_positions`, in the same order), in fp32 whatever the student's autocast:
         what ``distill.estimator: full`` takes the teacher's next-token distributions from."""
-        from unison.logprobs import selected_positions
-
         lm = self.scorer.model
         kw = {"position_ids": position_ids} if position_ids is not None else {}
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
@@ -70,8 +72,6 @@ class Teacher:
     def log_probs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
         """log π_T(·|s) [n, V] of hidden states ``h`` from :meth:`hidden`: the teacher's output layer (and logit
         transform, e.g. soft-capping) at ``temperature``, fp32, no gradient."""
-        from unison.models import logit_transform
-
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
             z = self.scorer.model.get_output_embeddings()(h).float()
             transform = logit_transform(self.scorer.model.config)
@@ -109,10 +109,6 @@ class Teacher:
         log-probabilities, over the model's response tokens; outside the log μ → log π chain (its own terms add
         up to mismatch/k1 without it). A teacher served in another engine would put its own difference here
         (e.g. an adapter dropped from a scoring endpoint). One process only: a sharded teacher has no engine."""
-        from unison.mismatch import k1, k3
-        from unison.rollout import SamplingParams
-        from unison.rollout.native import NativeEngine
-
         if self.scorer.sharded:
             return {}
         if self._engine is None:

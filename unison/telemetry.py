@@ -20,8 +20,11 @@ import time
 import numpy as np
 import torch
 
+from unison import moe
 from unison.batch import by_version
 from unison.errors import UnisonError
+from unison.exact import divergence_report
+from unison.ledger import shares
 from unison.mismatch import k1, k3, mismatch_metrics
 from unison.runlog import plural
 from unison.tasks.env import episode_metrics
@@ -87,14 +90,10 @@ class Mismatch:
         rows, logp_pi, mask = known.rows, known.logp, batch.response_mask
         mm = mismatch_metrics(logp_pi[rows], batch.logp_mu[rows], mask[rows])
         if self.exact and mm["mismatch/identical_fraction"] < 1.0:
-            from unison.exact import divergence_report
-
             where = divergence_report(self.learner, self.source.engine, batch, rows, logp_pi)
             raise UnisonError(f"exact mode broke at step {step + 1}: log μ and log π_old differ ({where}); "
                               f"this is a bug in unison — please report it with the config")
         if known.routing is not None and "routing" in batch.extras:
-            from unison import moe
-
             mm["mismatch/router_disagreement"] = moe.disagreement(batch.extras["routing"][rows],
                                                                   known.routing[rows], mask[rows])
         return {**mm, **known.corrections, **self._ledger(batch, rows, logp_pi, step, chain, t_ledger),
@@ -105,7 +104,6 @@ class Mismatch:
         with its console line; warns once about a stale engine."""
         if chain is None:
             return {}
-        from unison.ledger import shares
 
         t0 = time.perf_counter()
         m = self.ledger.measure(batch.select(rows), logp_pi[rows], step, chain, rows)

@@ -33,23 +33,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from unison import checkpoint as ckpt
 from unison import compilation, machine, preflight
 from unison.algorithms.advantages import ADVANTAGES
 from unison.algorithms.anchors import Anchor
 from unison.algorithms.corrections import BATCH_LEVEL, CORRECTIONS, LOSS_MASKS
 from unison.algorithms.presets import correction_kwargs, resolve_policy
 from unison.batch import collate
-from unison import checkpoint as ckpt
 from unison.checkpoint import Checkpointer, SignalStop, resumed_choice
 from unison.config import Config, resolve_paths
 from unison.data_io import atomic_write_text, read_metrics
 from unison.distributed import init_distributed
 from unison.errors import Stopped
+from unison.exact import self_check
+from unison.filter import pass_rates
 from unison.learner import Learner
+from unison.ledger import build_ledger
 from unison.models import load_tokenizer, resolve_model_dir
 from unison.optim import GradNoiseTracker
 from unison.precision import Precision
 from unison.quant import check_format_available
+from unison.report import write_report
+from unison.retokenize import retokenize_metrics
 from unison.rollout import check_engine_available, make_engine, preflight_engine
 from unison.rollout.source import make_source, step_seed
 from unison.runlog import RunLog, console_line, memory_metrics
@@ -58,6 +63,7 @@ from unison.startup import startup_lines
 from unison.sync import weights_of
 from unison.tasks import make_reward, make_task
 from unison.tasks.env import model_token_budget, tokens_after_prompt, with_model_tokens
+from unison.teacher import Teacher
 from unison.telemetry import Mismatch, Watchdogs, batch_metrics, timed
 
 
@@ -116,8 +122,6 @@ class Trainer:
         self.learner.max_new_tokens = model_token_budget(cfg)  # Dr.GRPO's normaliser: an episode's model tokens
         self.teacher = None
         if cfg.distill.teacher:  # on-policy distillation: the teacher's engine, its tokenizer checked
-            from unison.teacher import Teacher
-
             self.teacher = Teacher(cfg, self.tokenizer, self.dist)
             if cfg.distill.estimator == "full":  # the learner's loss takes the teacher's whole distribution
                 self.teacher.check_full(self.learner.model.get_output_embeddings().weight.shape[0])
@@ -128,11 +132,8 @@ class Trainer:
                                   self.tokenizer, self.prompt_ids, self.dist, self.weights, model_dir, m.engine)
         self.engine = self.source.engine  # the in-process engine, or the worker backend (K ≥ 1)
         if self.layout is not None:  # exact mode: this CPU's kernels are checked before anything is written
-            from unison.exact import self_check
-
             ops = self_check(self.learner.exact, {self.prec.rollout_dtype, self.prec.learner_dtype}, self.layout[1])
             self.engine.exact.ops = ops
-        from unison.ledger import build_ledger
 
         self.ledger = build_ledger(cfg, self.learner, self.source, model_dir, m.engine)
         # ---- the algorithm
@@ -227,7 +228,6 @@ class Trainer:
         every = self.cfg.mismatch.decompose_every
         if not self.task.multi_turn or not every or (step + 1) % every:
             return {}
-        from unison.retokenize import retokenize_metrics
 
         return retokenize_metrics(self.learner, completions, self.task.template, self.source.pad_id)
 
@@ -293,8 +293,6 @@ class Trainer:
             if self.dist.is_main:
                 atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
                 try:
-                    from unison.report import write_report
-
                     write_report([self.run_dir], self.run_dir, title=f"run {self.run_dir.name}")
                 except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the run
                     self.log(f"[train] report skipped: {e}")
@@ -314,8 +312,6 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Greedy accuracy on the eval split (each rank answers its share)."""
-        from unison.filter import pass_rates
-
         items = self.task.eval
         if not items:
             return float("nan")

@@ -55,6 +55,9 @@ STALE_CURES = {
     "k4budget-start0.1-target3e-3-k3metric": "the demo's budget without Token-TIS (control)",
     "k4surge": "Paper B's surge_decay on response length (control)",
     "k4surge-tis": "Paper B's surge_decay on response length + Token-TIS (control)",
+    "k4budget-tis-base5e-5": "the demo's cure from a base LR of 5e-5 (the budget starts at 5e-6)",
+    "k4budget-tis-base2e-4": "the demo's cure from a base LR of 2e-4 (the budget starts at 2e-5)",
+    "k4budget-tis-base5e-4": "the demo's cure from a base LR of 5e-4 (the budget starts at 5e-5)",
 }
 
 

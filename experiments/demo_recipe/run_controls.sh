@@ -8,6 +8,8 @@
 #   the budget alone       the demo's budget without Token-TIS
 #   Paper B's schedule     train.schedule=surge_decay on response length (CPU-scale detector, as lr_surge/run.sh),
 #                          with and without Token-TIS
+#   what the budget adds   the demo's cure from other base LRs (5e-5, 2e-4, 5e-4: it starts at 0.1x of each), beside
+#                          the constant-LR arms: does the feedback find the safe LR without a search?
 #   bash experiments/demo_recipe/run_controls.sh      (PAR=2: two runs side by side, one thread each)
 #   python experiments/demo_recipe/analyze.py runs/demo_recipe docs
 set -euo pipefail
@@ -35,7 +37,10 @@ k4lr1e-5|--set train.lr=1e-5
 k4lr2e-5|--set train.lr=2e-5
 k4budget-start0.1-target3e-3-k3metric|$BUDGET
 k4surge|$SURGE
-k4surge-tis|$SURGE $TIS"
+k4surge-tis|$SURGE $TIS
+k4budget-tis-base5e-5|$BUDGET $TIS --set train.lr=5e-5
+k4budget-tis-base2e-4|$BUDGET $TIS --set train.lr=2e-4
+k4budget-tis-base5e-4|$BUDGET $TIS --set train.lr=5e-4"
 STALE=(--set train.micro_batch_tokens=4096 --set mismatch.decompose_every=5 --set rollout.worker_threads=1
        --set "train.lr=$LR")
 specs=("stale-clean-k0-lr$LR-sft$SFT|--set rollout.max_staleness=0"

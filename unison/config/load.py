@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from unison.config.schema import Config
+from unison.data_io import read_text
 from unison.errors import UnisonError
 
 
@@ -74,8 +75,6 @@ def _looks_float(s: str) -> bool:
 
 def read_yaml(path: str | Path) -> dict:
     """A YAML config file as a dict, with one-line errors for missing or malformed files."""
-    from unison.data_io import read_text
-
     path = Path(path)
     if path.is_dir():
         raise UnisonError(f"config file '{path}' is a directory: pass a YAML file "

@@ -12,6 +12,7 @@ import torch
 from unison.config.values import ENGINES, parse_engine
 from unison.errors import UnisonError
 from unison.gemm import DECODE_ROWS
+from unison.models import model_config
 from unison.rollout.base import RolloutEngine, SamplingParams
 from unison.sides import Side
 
@@ -52,7 +53,6 @@ def preflight_engine(name: str, model_dir, total_len: int) -> None:
     """Check from the model's config alone that ``name`` can serve requests of ``total_len``
     tokens (prompt + response): start-up errors before anything is loaded or written."""
     if name == "native":
-        from unison.models import model_config
         from unison.rollout.native import check_request
 
         check_request(model_config(model_dir), total_len, 0)

@@ -11,9 +11,13 @@ from collections import deque
 
 import torch
 
+from unison import gemm
 from unison.errors import UnisonError
+from unison.rollout import generate
 from unison.rollout.base import Weights
+from unison.rollout.worker import EngineWorker, WorkerSpec
 from unison.sides import Side
+from unison.threads import budget, give
 
 
 class NativeWorkerBackend:
@@ -22,10 +26,6 @@ class NativeWorkerBackend:
     name = "native"
 
     def __init__(self, model_dir, side: Side, device, rollout_cfg, dist, shapes):
-        from unison import gemm
-        from unison.rollout.worker import EngineWorker, WorkerSpec
-        from unison.threads import budget, give
-
         r = rollout_cfg
         cores = budget()  # this process's threads (the run's `threads`), split between the worker and the trainer
         threads = r.worker_threads or max(1, cores // 2)
@@ -161,8 +161,6 @@ class ServerBackend:
         self._raise()
 
         def gen():
-            from unison.rollout import generate
-
             t0 = time.perf_counter()
             comps = generate(self.engine, prompts, params)
             with self._cv:

@@ -26,12 +26,15 @@ from pathlib import Path
 import torch
 
 from unison import gemm
+from unison import moe
 from unison.batch import Completion
+from unison.distributed import current
 from unison.errors import UnisonError
 from unison.exact import ExactForward, full_allowed
 from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
 from unison.quant import check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
+from unison.rollout.base import support_logsumexp
 from unison.rollout.decode import FastWeights, Kernels
 from unison.sides import Side
 
@@ -70,7 +73,6 @@ class NativeEngine:
             packed = (gemm.engine_choice() == "onednn" and dtype == torch.float32 and self.device.type == "cpu"
                       and not exact)
             self.fast = FastWeights(self.model, packed, decode_rows)
-        from unison import moe
 
         self.moe = bool(moe.routers(self.model))
         #: exact mode (unison/exact.py): one forward shared with the learner, a fixed layout
@@ -92,7 +94,6 @@ class NativeEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])})
         self.pad_id = int(self.tokenizer.pad_token_id)
-        from unison.distributed import current
 
         self.dp_rank, self.dp_size = current().rank, current().world_size  # one engine per rank
         if self.kernels.compiled:  # compile now (a prefill and a decode step of two rows), not in the first batch
@@ -250,7 +251,6 @@ class NativeEngine:
         path (caches, decode kernels) adds: the mismatch ledger's *decode* term."""
         if self.exact is not None:
             raise UnisonError("exact mode decodes and scores with one forward: there is no decode term to measure")
-        from unison.rollout.base import support_logsumexp
 
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         support = batch.extras.get("support")
@@ -267,8 +267,6 @@ class NativeEngine:
             want[:, :-1] = resp[:, 1:]  # the hidden state at t predicts token t + 1
             routing = batch.extras.get("routing")
             if routing is not None:
-                from unison import moe
-
                 replay = moe.replay(self.model, moe.replay_indices(routing[rows]))
             else:
                 replay = contextlib.nullcontext()
@@ -303,7 +301,6 @@ class NativeEngine:
         ``rows`` are the batch rows of a decode step, ``None`` for the prefill (``args[1]`` = key_ok)."""
         if routing is None:
             return fn(*args)
-        from unison import moe
 
         calls: list[torch.Tensor] = []
         with moe.record(self.model, calls):

@@ -31,6 +31,7 @@ from functools import partial
 import torch
 
 from unison.algorithms.advantages import uniform_groups
+from unison.rollout import generate
 from unison.rollout.backends import NativeWorkerBackend, ServerBackend, _sync_server
 from unison.rollout.base import SamplingParams, Weights, mix64, push
 from unison.sides import Side
@@ -193,8 +194,6 @@ class RolloutSource:
 
     def generate(self, prompts, params):
         """Generate outside the training batches (evaluation), with the newest weights."""
-        from unison.rollout import generate
-
         return generate(self.engine, prompts, params)
 
     def sleep(self) -> None:
@@ -228,8 +227,6 @@ class RolloutSource:
 
     def _generate(self, job: Job):
         """``(completions of this replica's share, generating seconds, engine idle seconds)``."""
-        from unison.rollout import generate
-
         t0 = time.perf_counter()
         comps = generate(self.engine, self._my_prompts(job), self._params(job))
         for c in comps:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from unison.batch import Completion
+from unison.distributed import current
 from unison.errors import UnisonError
 from unison.models import load_tokenizer
 from unison.rollout.base import SamplingParams, row_seeds
@@ -138,7 +139,6 @@ class VLLMEngine:
         check_vllm()
         dev = torch.device(device)
         check_vllm_quantization(quantization, dtype, dev.type)
-        from unison.distributed import current
 
         d = current()
         on_cpu = dev.type == "cpu"

@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 from unison.batch import Completion
+from unison.distributed import current
 from unison.errors import UnisonError
 from unison.models import load_tokenizer
+from unison.models import model_config
 from unison.rollout.base import SamplingParams
 from unison.rollout.server_disk import DiskTransport
 from unison.rollout.server_nccl import NcclTransport
@@ -97,8 +99,6 @@ class VLLMServerEngine:
                  quantization: str = "none", **_):
         import httpx
 
-        from unison.distributed import current
-
         if not url:
             raise UnisonError("vllm.mode is 'server' but vllm.url is not set: give the server's address, "
                               "e.g. --set vllm.url=http://localhost:8000")
@@ -129,7 +129,6 @@ class VLLMServerEngine:
         self._last_server_probe: list[float] | None = None
         self._last_policy_probe: list[float] | None = None
         eos = self.tokenizer.eos_token_id
-        from unison.models import model_config
 
         cfg = model_config(self.model_dir)
         gen_eos = getattr(cfg, "eos_token_id", None)

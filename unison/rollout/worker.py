@@ -50,7 +50,10 @@ from multiprocessing.connection import wait
 
 import torch
 
+from unison import gemm, runtime
 from unison.errors import UnisonError
+from unison.rollout import generate
+from unison.rollout.native import NativeEngine
 from unison.sides import Side
 
 
@@ -252,7 +255,6 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C and SIGTERM to the process group are the
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # trainer's to handle: it saves, then stops us
     torch.set_num_threads(spec.threads)
-    from unison import gemm, runtime
 
     runtime.keep_freed_memory()
     gemm.use(spec.gemm)
@@ -261,9 +263,6 @@ def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int)
     threading.Thread(target=_serve_commands, args=(cmds.fileno(), inbox), daemon=True,
                      name="unison-worker-commands").start()
     try:
-        from unison.rollout import generate
-        from unison.rollout.native import NativeEngine
-
         engine = NativeEngine(spec.model_dir, spec.side, device=spec.device)
         engine.dp_rank, engine.dp_size = spec.dp_rank, spec.dp_size
         out.put(("ready", os.getpid(), engine.pad_id, engine.eos_ids, engine.kernels.compile_s))

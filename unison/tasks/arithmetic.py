@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from unison.data_io import read_jsonl
 from unison.errors import UnisonError
 from unison.tasks import Item, Task
 
@@ -36,8 +37,6 @@ class ArithmeticTask(Task):
             problems.append(Item(prompt=f"{a}{op}{b}=", answer=str(_OPS[op](a, b))))
         self.train, self.eval = problems[:train_size], problems[train_size:]
         if path:  # a fixed prompt set (e.g. from `unison filter`) replaces the generated train split
-            from unison.data_io import read_jsonl
-
             lines: list[int] = []
             rows = read_jsonl(path, {"prompt": str, "answer": (str, int)}, line_numbers=lines)
             self.train = [Item(prompt=r["prompt"], answer=str(r["answer"]), meta={"source": f"{path}:{n}"})

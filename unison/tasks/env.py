@@ -40,8 +40,18 @@ import inspect
 import json
 from dataclasses import dataclass, field
 
+from unison.batch import Completion
+from unison.chat import ChatTemplate
+from unison.chat import ToolCall
+from unison.chat import ToolCallError
+from unison.chat import resolve_template
+from unison.chat import tool_schema
+from unison.data_io import read_jsonl
 from unison.errors import UnisonError
+from unison.models import load_tokenizer
+from unison.rollout.base import mix64, row_seeds
 from unison.tasks import Item, Task, load_callable, split_holdout
+from unison.tasks import task_class
 
 
 class Env:
@@ -104,9 +114,6 @@ class _Runtime:
     """Per process and spec: the tokenizer, the template, the environment class."""
 
     def __init__(self, spec: EpisodeSpec):
-        from unison.chat import ChatTemplate
-        from unison.models import load_tokenizer
-
         self.spec = spec
         self.tokenizer = load_tokenizer(spec.tokenizer_dir)
         self.template = ChatTemplate(self.tokenizer, spec.template, [json.loads(t) for t in spec.tools], spec.model)
@@ -227,8 +234,6 @@ class _Episode:
 
     def _answer(self, text: str) -> list[dict]:
         """Tool results for a turn that calls tools, else the environment's step (which may end it)."""
-        from unison.chat import ToolCallError
-
         rt, rec = self.rt, self.record
         try:
             calls = rt.template.parse(text) if self.tools else None
@@ -281,8 +286,6 @@ class _Episode:
     def completion(self):
         import torch
 
-        from unison.batch import Completion
-
         n = len(self.prompt)
         return Completion(prompt_ids=list(self.prompt), token_ids=self.ids[n:], logprobs=self.logprobs,
                           finish_reason=self.finish_reason, prompt_index=self.index, sample_index=self.sample,
@@ -304,8 +307,6 @@ class Episodes:
         return len(self.items)
 
     def run(self, engine, params) -> list:
-        from unison.rollout.base import mix64, row_seeds
-
         rt = _Runtime.get(self.spec)
         seeds = row_seeds(params, len(self.items))
         eps = [_Episode(rt, item, j, s, seeds[j * params.n + s])
@@ -349,8 +350,6 @@ def with_model_tokens(completions, rewards):
 
 def is_multi_turn(cfg) -> bool:
     """The config's task is multi-turn (its class says so: :attr:`unison.tasks.Task.multi_turn`)."""
-    from unison.tasks import task_class
-
     return task_class(cfg.task.name).multi_turn
 
 
@@ -392,7 +391,6 @@ class EnvTask(Task):
         except Exception as e:  # noqa: BLE001
             raise UnisonError(f"environment {self.env} cannot be created with no arguments ({_error(e)}): "
                               f"give its __init__ defaults for everything") from None
-        from unison.chat import tool_schema
 
         self.tool_schemas = [tool_schema(f) for f in (getattr(probe, "tools", None) or ())]
         if items is None:
@@ -418,7 +416,6 @@ class EnvTask(Task):
         from pathlib import Path
 
         model = model or Path(str(tokenizer.name_or_path)).name
-        from unison.chat import ChatTemplate, resolve_template
 
         text, self.template_note = resolve_template(tokenizer, self.cfg.chat_template, bool(self.tool_schemas), model)
         self.template = ChatTemplate(tokenizer, text, self.tool_schemas, model).prepare()
@@ -454,8 +451,6 @@ class EnvTask(Task):
         ``demonstration(item)``: the messages after ``reset``, assistant turns as text or as
         ``{"role": "assistant", "tool_calls": [{"name": ..., "arguments": {...}}]}``. Built with the same
         token-in/token-out path as the episodes; None when the environment has no demonstrations."""
-        from unison.chat import ToolCall
-
         demo = getattr(self.env_cls, "demonstration", None)
         if demo is None:
             return None
@@ -487,8 +482,6 @@ class EnvTask(Task):
 
 
 def _rows(path: str) -> list[Item]:
-    from unison.data_io import read_jsonl
-
     lines: list[int] = []
     rows = read_jsonl(path, line_numbers=lines)
     return [Item(prompt=str(r.get("prompt", "")), answer="" if r.get("answer") is None else str(r["answer"]),

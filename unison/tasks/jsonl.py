@@ -13,6 +13,7 @@ from __future__ import annotations
 from unison.data_io import read_jsonl
 from unison.errors import UnisonError
 from unison.tasks import Item, Task, split_holdout
+from unison.tasks.math import MATH_TEMPLATE
 
 
 def _items(path: str, template: str | None) -> list[Item]:
@@ -38,8 +39,6 @@ class JsonlTask(Task):
 
     def __init__(self, path: str, eval_path: str | None = None, eval_size: int = 0, template: str | None = None,
                  seed: int = 0):
-        from unison.tasks.math import MATH_TEMPLATE
-
         # None: the prompts as written (a config.yaml written before the default became None holds the math one)
         self.template = None if not template or template == MATH_TEMPLATE else template
         items = _items(path, self.template)

@@ -24,6 +24,7 @@ import random
 import re
 import zlib
 
+from unison.data_io import read_jsonl
 from unison.errors import UnisonError
 from unison.tasks import Item, Task
 
@@ -65,8 +66,6 @@ class ScratchpadTask(Task):
             items.append(Item(prompt="+".join(map(str, ops)) + "=", answer=str(sum(ops))))
         self.train, self.eval = items[:train_size], items[train_size:]
         if path:  # a fixed prompt set (e.g. from `unison filter`) replaces the generated train split
-            from unison.data_io import read_jsonl
-
             lines: list[int] = []
             rows = read_jsonl(path, {"prompt": str, "answer": (str, int)}, line_numbers=lines)
             self.train = []
