@@ -504,7 +504,7 @@ def test_probe_rows_with_lora_sample_the_merged_weights_and_score_through_the_ad
 
 def test_the_probes_ledger_table_names_the_arm_a_row_belongs_to():
     # rows that differ only in LoRA rank or compile setting must say which is which in the ledger table too
-    from unison.probe import format_ledger
+    from unison.probe_tables import format_ledger
 
     base = {"engine": "native", "precision": "fp32", "ledger/total_k1": 2e-6, "ledger/total_k3": 3e-11,
             "ledger/decode_k3": 2e-11, "ledger/decode_k1": 1e-6, "ledger/engine_k3": 1e-11, "ledger/engine_k1": 1e-6}

@@ -111,7 +111,8 @@ def _add_probe(sub) -> None:
 def cmd_probe(args) -> int:
     from unison.runlog import table_console
 
-    from unison.probe import ProbeConfig, format_table, ratio, run_probe, write_outputs
+    from unison.probe import ProbeConfig, run_probe
+    from unison.probe_tables import format_table, ratio, write_outputs
 
     cfg = ProbeConfig(model=args.model, prompts=args.prompts, precisions=_csv(args.precision),
                       engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
@@ -136,7 +137,7 @@ def cmd_probe(args) -> int:
     written = write_outputs(out, out_dir)
     tables = [format_table(out["results"], out["timings"])]
     if cfg.ledger:
-        from unison.probe import format_ledger
+        from unison.probe_tables import format_ledger
 
         tables.append(format_ledger(out["results"]))
     if cfg.locate:
@@ -158,7 +159,7 @@ def cmd_probe(args) -> int:
             console.print(f"{eng}: bf16/fp16 ratio of token k3 = {_fmt(rk)}, of seq KL = {_fmt(rs)}, "
                           f"of seq KL (k3 sum) = {_fmt(rs3)}")
     console.print("wrote " + ", ".join(str(p) for p in written))
-    from unison.probe import exact_failed
+    from unison.probe_tables import exact_failed
 
     failed = [r for r in out["results"] if exact_failed(r)]
     for r in failed:
@@ -316,7 +317,7 @@ def cmd_sanity(args) -> int:
     from unison.runlog import table_console
 
     from unison.filter import parse_band
-    from unison.probe import ratio
+    from unison.probe_tables import ratio
     from unison.report import rich_table
     from unison.sanity import run_sanity, sanity_config
 
@@ -375,7 +376,7 @@ def _add_demo(sub) -> None:
 def cmd_demo(args) -> int:
     from unison.runlog import table_console
 
-    from unison.demo import COLLAPSE_RECIPE, DEFAULT_REGIME, PRECISION_STEPS, REGIMES, run_demo
+    from unison.demo import COLLAPSE_RECIPE, DEFAULT_REGIME, PRECISION_STEPS, REGIMES, parse_seeds, run_demo
     from unison.report import rich_table
     from unison.sanity import sanity_config
 
@@ -387,14 +388,7 @@ def cmd_demo(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
-    try:
-        seeds = [int(x) for x in _csv(args.seeds)]
-    except ValueError:
-        raise UnisonError(f"--seeds '{args.seeds}' is not a list of integers: write e.g. --seeds 0,1") from None
-    if not seeds:
-        raise UnisonError("--seeds is empty: name at least one, e.g. --seeds 0,1")
-    if len(set(seeds)) != len(seeds):
-        raise UnisonError(f"--seeds '{args.seeds}' names a seed twice: each seed runs once, e.g. --seeds 0,1")
+    seeds = parse_seeds(args.seeds)
     if args.workers < 1:
         raise UnisonError(f"--workers {args.workers}: give at least 1")
     res = run_demo(precision_cfg, collapse_cfg, out, _csv(args.precisions), regime=regime, k=args.k,

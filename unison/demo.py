@@ -287,6 +287,19 @@ def judge_seed(seed: int, clean_rows, broken_rows, cured_rows, term: str = "quan
             "cure_collapsed": cured < COLLAPSED * clean, "term_share": share}
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1``: distinct integers, at least one (one line naming the fix otherwise)."""
+    try:
+        seeds = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise UnisonError(f"--seeds '{text}' is not a list of integers: write e.g. --seeds 0,1") from None
+    if not seeds:
+        raise UnisonError("--seeds is empty: name at least one, e.g. --seeds 0,1")
+    if len(set(seeds)) != len(seeds):
+        raise UnisonError(f"--seeds '{text}' names a seed twice: each seed runs once, e.g. --seeds 0,1")
+    return seeds
+
+
 def verdict(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
     """What part 2 showed over its seeds. A cure is claimed only when the broken run collapsed and the cure held on
     every seed; otherwise the line says, seed by seed, what was seen."""

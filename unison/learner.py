@@ -114,7 +114,6 @@ class Learner(Scorer):
         if self.peft is not None:  # except LoRA's own dropout, when configured, in training forwards
             for d in lora.dropout_modules(self.model):
                 d.train()
-        loss_fn, loss_kw = LOSSES[pol["loss"]], loss_kwargs(pol)
         order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
         minis = list(order.tensor_split(min(t.mini_batches, batch.size)))  # exactly that many, sizes ±1
         per_token_units = pol["loss_agg"] == "token_mean"  # batch size in tokens, else in responses
@@ -124,7 +123,6 @@ class Learner(Scorer):
         first_rows = minis[0]
         logp_first = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         routing_first = moe.routing_buffer(self.model, batch.tokens.shape) if self.moe else None
-        aux_coef = self.forward_module.aux_loss_coef if self.moe else 0.0
         counted = batch.response_mask if loss_mask is None else loss_mask
         for mb_i, mb in enumerate(minis):
             n_tok, n_seq = int(batch.response_mask[mb].sum()), len(mb)
@@ -141,27 +139,9 @@ class Learner(Scorer):
                 dummy = i >= len(mine)  # this rank has no rows left: a zero-weight forward keeps FSDP in step
                 rows = mb[:1] if dummy else mine[i]
                 first = mb_i == 0 and not dummy
-                out = self._forward(batch, rows, return_entropy=True, routing_out=routing_first if first else None,
-                                    teacher=self.distill[0] if self.distill else None)
-                logp, ent = out[0], out[1]
-                W = logp.shape[1]  # the micro-batch's own width: every per-token tensor is cut to it
-                m = batch.response_mask[rows, :W].to(self.device)
-                mu = batch.logp_mu[rows, :W].to(self.device)
-                old = old_logp(rows, logp, mu, mb_i)[:, :W]
-                w = weights(old, mu, m) if callable(weights) else weights[rows, :W].to(self.device)
-                adv = batch.advantages[rows]
-                adv = adv[:, :W] if adv.dim() == 2 else adv  # per-token advantages (distillation): cut too
-                lmask = m if loss_mask is None else loss_mask[rows, :W].to(self.device)
-                per_tok, lm = loss_fn(logp, old, mu, adv.to(self.device), w, lmask, **loss_kw)
-                if self.distill:  # the exact reverse KL of each position to the teacher's, minimised directly
-                    kl = out[2] * lmask
-                    per_tok = per_tok + self.distill[1] * w * kl
-                    lm = {**lm, "distill/reverse_kl_full": float(kl.detach().sum() / lmask.sum().clamp(min=1))}
-                loss = aggregate(per_tok, pol["loss_agg"], lmask, n_loss, n_seq, self.max_new_tokens)
-                if aux_coef:  # the router's load-balancing loss, weighted by this micro-batch's share of rows
-                    aux = self.forward_module.last_aux_loss
-                    loss = loss + aux_coef * aux * (len(rows) / n_seq)
-                    lm = {**lm, "moe/aux_loss": float(aux.detach())}
+                loss, logp, ent, m, lm = self._micro_loss(batch, rows, mb_i, old_logp, weights, loss_mask, n_loss,
+                                                          n_seq, routing_first if first else None)
+                W = logp.shape[1]
                 share = 0.0 if dummy else 1.0
                 self.scaler.scale(loss * (ws * share)).backward()
                 loss_sum += float(loss.detach()) * share
@@ -206,6 +186,33 @@ class Learner(Scorer):
         return UpdateStats(metrics=sums, steps=n_opt, skipped=skipped, logp_first=logp_first,
                            first_rows=first_rows, noise_terms=[x for x in noise_terms if x],
                            routing_first=moe.gather_routing(routing_first, self.dist))
+
+    def _micro_loss(self, batch, rows, mb_i: int, old_logp, weights, loss_mask, n_loss: int, n_seq: int, routing_out):
+        """One micro-batch's loss (its share of the mini-batch's, with the mini-batch's normalisers ``n_loss`` tokens
+        and ``n_seq`` responses), log π and the entropy at its own width, its response mask and the loss metrics."""
+        pol = self.policy
+        out = self._forward(batch, rows, return_entropy=True, routing_out=routing_out,
+                            teacher=self.distill[0] if self.distill else None)
+        logp, ent = out[0], out[1]
+        W = logp.shape[1]  # the micro-batch's own width: every per-token tensor is cut to it
+        m = batch.response_mask[rows, :W].to(self.device)
+        mu = batch.logp_mu[rows, :W].to(self.device)
+        old = old_logp(rows, logp, mu, mb_i)[:, :W]
+        w = weights(old, mu, m) if callable(weights) else weights[rows, :W].to(self.device)
+        adv = batch.advantages[rows]
+        adv = adv[:, :W] if adv.dim() == 2 else adv  # per-token advantages (distillation): cut too
+        lmask = m if loss_mask is None else loss_mask[rows, :W].to(self.device)
+        per_tok, lm = LOSSES[pol["loss"]](logp, old, mu, adv.to(self.device), w, lmask, **loss_kwargs(pol))
+        if self.distill:  # the exact reverse KL of each position to the teacher's, minimised directly
+            kl = out[2] * lmask
+            per_tok = per_tok + self.distill[1] * w * kl
+            lm = {**lm, "distill/reverse_kl_full": float(kl.detach().sum() / lmask.sum().clamp(min=1))}
+        loss = aggregate(per_tok, pol["loss_agg"], lmask, n_loss, n_seq, self.max_new_tokens)
+        if self.moe and self.forward_module.aux_loss_coef:  # the router's load-balancing loss, by this share of rows
+            aux = self.forward_module.last_aux_loss
+            loss = loss + self.forward_module.aux_loss_coef * aux * (len(rows) / n_seq)
+            lm = {**lm, "moe/aux_loss": float(aux.detach())}
+        return loss, logp, ent, m, lm
 
     def _micro_units(self, batch, shares, i, per_token: bool) -> float:
         """Size of micro-step ``i`` over all ranks, in tokens or responses."""

@@ -2,7 +2,8 @@
 # SmolLM2-135M on stale samples (issue 52): the sum task of experiments/smollm2 trained on samples K policy versions
 # old (rollout.max_staleness, the native engine in a worker process). Where does naive GRPO break, and do the cures
 # decide it? Two stages, every run reported (docs/experiments/smollm2.md):
-#   screen   naive GRPO at K = 2 and 4 and LR 1e-5 (the clean run's), 3e-5 and 1e-4, 60 steps, seed 0
+#   screen   naive GRPO at K = 2 and 4 and LR 1e-5 (the clean run's), 3e-5 and 1e-4, 60 steps, seed 0, and the
+#            clean run (K = 0) at 1e-4 beside it (at 1e-5: run_precision.sh's fp32 arm)
 #   cures    where a screen arm broke (BROKEN="k4-lr1e-4", say), on SEEDS: the clean run at that LR, the broken
 #            one, and Token-TIS + the mismatch-budget LR, Token-TIS at a constant low LR, the budget alone, Paper B's
 #            surge_decay, M2PO
@@ -28,7 +29,7 @@ arm() {  # arm NAME SEED ARGS...
 }
 mkdir -p "$OUT"
 if [ "$STAGE" = screen ]; then
-  for spec in "k4-lr1e-5 4 1e-5" "k4-lr3e-5 4 3e-5" "k4-lr1e-4 4 1e-4" "k2-lr1e-4 2 1e-4"; do
+  for spec in "k4-lr1e-5 4 1e-5" "k4-lr3e-5 4 3e-5" "k4-lr1e-4 4 1e-4" "k2-lr1e-4 2 1e-4" "clean-lr1e-4 0 1e-4"; do
     read -r name k lr <<< "$spec"
     arm "$name" 0 --set rollout.max_staleness="$k" --set train.lr="$lr"
   done
