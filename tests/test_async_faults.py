@@ -544,7 +544,7 @@ def test_2_a_reload_that_fails_in_flight_returns_none_of_the_requests_it_spanned
         eng = _server(stub.url, tmp_path)
         eng.apply_sync(eng.prepare_sync(weight_update(eng, learner)), version=0)
         cfg = load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"])
-        b = ServerBackend(eng, cfg)
+        b = ServerBackend(eng, cfg.rollout)
         b.submit(1, [[1, 5, 6]], SamplingParams(n=2, max_tokens=4), None)
         assert stub.event("generating").wait(60)
         _release_on(stub, "pause:abort", hold)
@@ -560,7 +560,7 @@ def test_8_closing_during_a_slow_reload_leaves_the_server_resumed(tmp_path, lear
     hold = threading.Event()
     with _stub(_tiny(), hold_reloads=hold) as stub:
         eng = _server(stub.url, tmp_path)
-        b = ServerBackend(eng, load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"]))
+        b = ServerBackend(eng, load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"]).rollout)
         b.publish(weights_of(learner), 1)
         assert stub.event("reload").wait(60)  # the reload is under way, held until released
         assert stub.paused
@@ -575,7 +575,7 @@ def test_10_server_drop_keeps_only_the_newest_pending_sync(tmp_path, learner):
     hold = threading.Event()
     with _stub(_tiny(), hold_reloads=hold) as stub:
         eng = _server(stub.url, tmp_path)
-        b = ServerBackend(eng, load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"]))
+        b = ServerBackend(eng, load_config(None, BASE + ["rollout.stale_policy=drop", "rollout.max_staleness=1"]).rollout)
         b.publish(weights_of(learner), 1)
         assert stub.event("reload").wait(60)  # version 1's reload is under way (held): 19 more steps end meanwhile
         pending = []

@@ -99,7 +99,7 @@ def test_the_teacher_term_sees_a_generation_path_that_is_not_the_scoring_path(ti
     from unison.teacher import Teacher
 
     cfg = load_config(None, ["distill.teacher=builtin:tiny"])
-    teacher = Teacher(cfg, load_tokenizer(tiny_dir))
+    teacher = Teacher.from_config(cfg, load_tokenizer(tiny_dir))
     eng = make_engine("native", tiny_dir, torch.float32, max_len=64)
     batch = collate(generate(eng, [eng.tokenizer.encode("3+4=")], SamplingParams(n=3, max_tokens=8, seed=0)),
                     eng.pad_id)
@@ -148,7 +148,7 @@ def test_a_served_teacher_scores_with_its_prompt_log_probs_and_the_ledger_compar
                              SamplingParams(n=3, max_tokens=8, seed=1)), eng.pad_id)
     with _served_teacher(tiny_dir, drop) as stub:
         cfg = load_config(None, ["distill.teacher=builtin:tiny", f"distill.teacher_url={stub.url}"])
-        teacher = Teacher(cfg, load_tokenizer(tiny_dir))
+        teacher = Teacher.from_config(cfg, load_tokenizer(tiny_dir))
         served = teacher.score(batch)
         assert stub.prompt_logprob_requests == batch.size  # one request per row, sent side by side
         local = teacher.scorer.score(batch)
@@ -191,7 +191,7 @@ def test_under_top_p_the_teacher_scores_its_full_distribution_not_the_students_s
     from unison.models import load_tokenizer, resolve_model_dir
 
     d = resolve_model_dir("builtin:tiny")
-    teacher = Teacher(cfg, load_tokenizer(d))
+    teacher = Teacher.from_config(cfg, load_tokenizer(d))
     eng = make_engine("native", d, torch.float32)
     ids = [eng.tokenizer(t)["input_ids"] for t in ("12+35=", "7+8=")]
     b = collate(eng.generate(ids, SamplingParams(n=4, max_tokens=12, top_p=0.7, seed=3)), eng.pad_id)

@@ -32,29 +32,36 @@ class Teacher:
     """Scores batches with the teacher's weights, frozen, at the rollout's temperature (the student's π_old
     is scored at it too, so the reverse KL compares like with like)."""
 
-    def __init__(self, cfg, student_tokenizer, dist=None):
-        d = cfg.distill
+    def __init__(self, distill, options: ScoringOptions, student_tokenizer, student: str = "the student",
+                 vllm=None, dist=None):
+        d = distill
         try:
             self.model_dir = resolve_model_dir(d.teacher)
         except UnisonError as e:
             raise UnisonError(f"distill.teacher: {e}") from None
-        check_tokenizer(load_tokenizer(self.model_dir), student_tokenizer, d.teacher, cfg.model)
+        check_tokenizer(load_tokenizer(self.model_dir), student_tokenizer, d.teacher, student)
         self.coef, self.task_reward, self.estimator = d.coef, d.task_reward, d.estimator
         # the teacher scores its full distribution: never renormalised over the support the *student* sampled from
         # (top-p / top-k), which would make log π_T = log q(y) − log Σ_{top-c} q and 0 where the student kept one
         # token; a served teacher's prompt log-probs are the full distribution too, so the two paths agree
-        t = cfg.train
-        options = ScoringOptions(cfg.device, cfg.rollout.temperature, t.micro_batch_size, t.micro_batch_tokens,
-                                 t.logprob_chunk)
         self.scorer = Scorer(self.model_dir, Side(dtype=torch.float32, support_replay=False), options, dist=dist)
         self.scorer.model.requires_grad_(False)
-        self.temperature = cfg.rollout.temperature
+        self.temperature = options.temperature
         self._engine = None  # the teacher's generation path, built the first time the ledger measures it
         #: distill.teacher_url: the served teacher (a vLLM server; no weight sync: it is frozen)
         self.served = None
         if d.teacher_url:
             self.served = VLLMServerEngine(self.model_dir, url=d.teacher_url, weight_sync="none",
-                                           request_timeout_s=cfg.vllm.request_timeout_s, retries=cfg.vllm.retries)
+                                           request_timeout_s=vllm.request_timeout_s if vllm else 600.0,
+                                           retries=vllm.retries if vllm else 3)
+
+    @classmethod
+    def from_config(cls, cfg, student_tokenizer, dist=None) -> Teacher:
+        """The run's teacher (``distill``), scoring at the rollout's temperature in the learner's micro-batches."""
+        t = cfg.train
+        options = ScoringOptions(cfg.device, cfg.rollout.temperature, t.micro_batch_size, t.micro_batch_tokens,
+                                 t.logprob_chunk)
+        return cls(cfg.distill, options, student_tokenizer, cfg.model, cfg.vllm, dist)
 
     # ------------------------------------------------------------------ the full-vocabulary target
     def hidden(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,

@@ -153,8 +153,9 @@ class Mismatch:
 class Watchdogs:
     """The run's warnings (each once, or once per streak) and the stop on rewards that keep raising."""
 
-    def __init__(self, cfg, task_name: str, log, saved=lambda: []):
-        self.cfg, self.task_name, self.log = cfg, task_name, log
+    def __init__(self, task_cfg, no_signal_steps: int, max_new_tokens: int, task_name: str, log, saved=lambda: []):
+        self.task, self.no_signal_steps, self.max_new_tokens = task_cfg, no_signal_steps, max_new_tokens
+        self.task_name, self.log = task_name, log
         #: the run's checkpoints, newest last (what a stop on failing rewards points to)
         self.saved = saved
         self.reward_errors = 0
@@ -180,7 +181,7 @@ class Watchdogs:
     def _reward_errors(self, metrics: dict, roll, env: str | None) -> None:
         """Errors are counted over the calls actually made (truncated responses make none); a step in
         which every call raised is a failed step, and ``task.reward_error_patience`` of them stop the run."""
-        t, calls, errors = self.cfg.task, roll.reward_calls, roll.reward_errors
+        t, calls, errors = self.task, roll.reward_calls, roll.reward_errors
         if errors and errors / max(calls, 1) > t.reward_error_warn:
             self.log(f"[train] WARNING step {metrics['step']}: {errors} of {calls} rewards raised "
                      f"(scored 0); last: {roll.last_error}")
@@ -200,7 +201,7 @@ class Watchdogs:
     def _truncation(self, metrics: dict, roll) -> None:
         """One warning, the first time more than half of a step's responses were cut at max_new_tokens and
         scored task.truncated_reward without a call of the verifier (or of the user's reward)."""
-        t, comps = self.cfg.task, roll.completions
+        t, comps = self.task, roll.completions
         if self.truncation_warned or t.truncated_reward is None or not comps:
             return
         cut = sum(c.finish_reason == "length" for c in comps) / len(comps)
@@ -208,21 +209,21 @@ class Watchdogs:
             self.truncation_warned = True
             fn = t.reward or f"the {self.task_name} task's verifier"
             self.log(f"[train] WARNING step {metrics['step']}: {cut:.0%} of the responses hit "
-                     f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} and scored "
+                     f"rollout.max_new_tokens={self.max_new_tokens} and scored "
                      f"task.truncated_reward={t.truncated_reward:g} without a call of {fn}: raise "
                      f"rollout.max_new_tokens, or set task.truncated_reward=null to grade them")
 
     def signal(self, metrics: dict, batch) -> None:
         """One warning when ``train.no_signal_steps`` steps in a row had nothing to learn from: every
         group's rewards equal (zero advantages) or a zero gradient."""
-        patience = self.cfg.train.no_signal_steps
+        patience = self.no_signal_steps
         uniform = batch is None or float(batch.advantages.abs().max()) == 0.0
         zero_grad = metrics.get("optim/grad_norm") == 0.0
         metrics["train/no_signal"] = int(uniform or zero_grad)
         self.quiet_steps = self.quiet_steps + 1 if (uniform or zero_grad) else 0
         if patience and self.quiet_steps == patience:
             trunc = metrics.get("response/truncated_fraction")
-            graded = self.cfg.task.truncated_reward is None  # cut responses were graded: not why rewards are equal
+            graded = self.task.truncated_reward is None  # cut responses were graded: not why rewards are equal
             why = "every group's rewards were equal (zero advantage)" if uniform else "the gradient was zero"
             hint = (f"{trunc:.0%} of responses hit rollout.max_new_tokens and scored task.truncated_reward "
                     f"without a reward call: raise rollout.max_new_tokens" if trunc and trunc > 0.5 and not graded

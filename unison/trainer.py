@@ -122,7 +122,7 @@ class Trainer:
         self.learner.max_new_tokens = model_token_budget(cfg)  # Dr.GRPO's normaliser: an episode's model tokens
         self.teacher = None
         if cfg.distill.teacher:  # on-policy distillation: the teacher's engine, its tokenizer checked
-            self.teacher = Teacher(cfg, self.tokenizer, self.dist)
+            self.teacher = Teacher.from_config(cfg, self.tokenizer, self.dist)
             if cfg.distill.estimator == "full":  # the learner's loss takes the teacher's whole distribution
                 self.teacher.check_full(self.learner.model.get_output_embeddings().weight.shape[0])
                 self.learner.distill = (self.teacher, cfg.distill.coef)
@@ -151,7 +151,8 @@ class Trainer:
         self.mismatch = Mismatch(cfg.mismatch.decompose_every, self.learner, self.source, self.ledger,
                                  exact=self.layout is not None, split_every_step=watched == "mismatch/staleness_k3",
                                  log=self.log, console=cfg.log.console)
-        self.watch = Watchdogs(cfg, self.task.name, self.log, saved=partial(ckpt.complete, self.run_dir / "checkpoints"))
+        self.watch = Watchdogs(cfg.task, cfg.train.no_signal_steps, cfg.rollout.max_new_tokens, self.task.name, self.log,
+                               saved=partial(ckpt.complete, self.run_dir / "checkpoints"))
         self.checkpoints = Checkpointer(self.run_dir, self.dist, cfg.checkpoint.keep, self.learner, self.tokenizer,
                                         self.source, {"learner": self.learner, "schedule": self.schedule,
                                                       "grad_noise": self.noise, "watchdogs": self.watch}, self.log)

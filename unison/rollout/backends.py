@@ -80,11 +80,11 @@ class ServerBackend:
 
     name = "vllm-server"
 
-    def __init__(self, engine, cfg):
+    def __init__(self, engine, rollout_cfg):
         self.engine = engine
         self.pad_id, self.eos_ids = engine.pad_id, engine.eos_ids
         self.dp_rank, self.dp_size = engine.dp_rank, engine.dp_size
-        self.wait = cfg.rollout.stale_policy == "wait"
+        self.wait = rollout_cfg.stale_policy == "wait"
         self._eval = _EvalIds()
         self._done: dict[int, tuple] = {}
         self._error: BaseException | None = None

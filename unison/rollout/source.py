@@ -392,7 +392,7 @@ def make_source(cfg, engine_factory, task, reward, tokenizer, prompt_ids, dist, 
         start = partial(backend.publish, weights, 0)
     else:
         engine = engine_factory()
-        backend = ServerBackend(engine, cfg)
+        backend = ServerBackend(engine, cfg.rollout)
         start = partial(_sync_server, engine, weights)
     try:  # version 0 reaches the engine before the first batch is submitted
         start()
