@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
 
-.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed test-compile test-faults lint bench docs clean
+.PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed test-compile test-faults test-browser lint bench docs clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ probe: install
 
 test: install
 	$(PY) -m pytest -q
+
+# the viewer's page and the docs site in Debian's headless chromium (apt-get install chromium; skipped without it)
+test-browser: install
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[docs]"
+	$(PY) -m pytest -q -m browser
 
 # ruff (configured in pyproject.toml): pyflakes, pycodestyle, bugbear, pyupgrade over the whole tree
 lint: install

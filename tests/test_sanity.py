@@ -179,7 +179,7 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
     assert main(args) == 0
     assert sorted(p.name for p in (out / "precision" / "arms").iterdir()) == ["fp32-grpo"]
     names = {"int4": ["fp32-grpo", "fp32-int4-grpo-qat", "fp32-int4-grpo"],
-             "stale": ["fp32-grpo-k0", "fp32-grpo-k4-tis-budget", "fp32-grpo-k4"]}[regime]
+             "stale": ["fp32-grpo-k0", "fp32-grpo-k4-tis-budget", "fp32-grpo-k4", "fp32-grpo-k4-tis"]}[regime]
     seed_list = [int(x) for x in seeds.split(",")]
     assert sorted(p.name for p in (out / "collapse" / "arms").iterdir()) == sorted(f"{n}-s{s}" for n in names
                                                                                    for s in seed_list)
@@ -187,6 +187,12 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
     title = {"int4": "int4 rollout weights", "stale": "samples 4 policy versions old"}[regime]
     assert f"{title}, GRPO training accuracy (last 10 steps), mean of {len(seed_list)} seed" in text
     assert "| seed | clean |" in text and "| mean |" in text
+    if regime == "stale":  # the control: Token-TIS at the run's LR, no budget (constant LR, the correction on)
+        assert "Token-TIS at the run's LR (control)" in text
+        for s in seed_list:
+            control = yaml_load(arms_dir(out) / f"fp32-grpo-k4-tis-s{s}" / "config.yaml")
+            assert control["algo"] == "grpo_token_tis" and control["train"]["schedule"] == "constant"
+            assert control["rollout"]["max_staleness"] == 4
     assert (out / "plots" / "collapse_and_cure.png").exists() and (out / "plots" / "ledger.png").exists()
     arms = out / "collapse" / "arms"
     for s in seed_list:
@@ -214,13 +220,53 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
     assert main(args) == 0  # everything reused
 
 
-def _seed(seed, clean, broken, cured, start=0.8):
+def arms_dir(out):
+    return out / "collapse" / "arms"
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def _seed(seed, clean, broken, cured, start=0.8, control=None):
     from unison.demo import judge_seed
 
     def rows(first, last):  # 10 steps at ``first`` then 10 at ``last``
         return [{"step": i + 1, "reward/mean": first if i < 10 else last} for i in range(20)]
 
-    return judge_seed(seed, rows(clean, clean), rows(start, broken), rows(cured, cured))
+    return judge_seed(seed, rows(clean, clean), rows(start, broken), rows(cured, cured),
+                      control_rows=None if control is None else rows(0.5, control))
+
+
+def test_demo_verdict_says_what_the_control_showed():
+    """The stale regime's control (Token-TIS at the run's LR, no budget) is judged by the cure's rule (≥ 95% of the
+    clean run: 0.95·0.88 = 0.836) and the verdict says which part decided: none of its seeds held -> the LR; all ->
+    the budget's LR is not what cured it; some -> which seeds needed it. No control, no clause (int4)."""
+    from unison.demo import REGIMES, headline_text, seed_table, verdict
+
+    stale = REGIMES["stale"]
+    lost = [_seed(0, 0.88, 0.1, 0.95, control=0.55), _seed(1, 0.88, 0.0, 0.96, control=0.83)]  # 0.83 < 0.836
+    assert [p["control_held"] for p in lost] == [False, False] and lost[0]["control"] == pytest.approx(0.55)
+    v = verdict(lost, stale)
+    assert v.startswith("on every seed (2/2) the K = 4 run collapsed") and "cured it" in v
+    assert v.endswith("Token-TIS alone at the run's LR (the control, no budget) did not (0/2 seeds at ≥ 95%): the "
+                      "learning rate decided it — a constant low LR found by a search cures as well "
+                      "(docs/experiments/demo_recipe.md)")
+    held = [_seed(0, 0.88, 0.1, 0.95, control=0.90), _seed(1, 0.88, 0.0, 0.96, control=0.84)]
+    assert verdict(held, stale).endswith("held as well (2/2): on these seeds the budget's LR is not what cured it")
+    one = [_seed(0, 0.88, 0.1, 0.95, control=0.90), _seed(1, 0.88, 0.0, 0.96, control=0.5)]
+    assert verdict(one, stale).endswith("held on 1/2 seeds (0): the budget's LR was needed on the others")
+    h = headline_text(lost, stale)
+    assert "the corrected run 0.96, the control 0.69, the clean run 0.88" in h  # (0.55 + 0.83) / 2 = 0.69
+    assert "seed 0: 0.80 → 0.10, cured 0.95, control 0.55, clean 0.88" in h
+    table = seed_table(lost, stale)
+    assert "control / clean" in table[0] and table[1].count("---") == 9
+    assert "| 0.550 | 62% |" in table[2]  # 0.55 / 0.88 = 0.6249… in floats -> 62%
+    assert "| 0.690 | 78% |" in table[-1]  # the mean row: 0.69 / 0.88 = 78.4%
+    plain = [_seed(0, 0.88, 0.56, 0.87)]
+    assert "control" not in plain[0] and "control" not in verdict(plain) and "control" not in seed_table(plain)[0]
 
 
 def test_demo_verdict_claims_a_cure_only_when_it_held_on_every_seed():

@@ -112,7 +112,7 @@ def cmd_probe(args) -> int:
     from unison.runlog import table_console
 
     from unison.probe import ProbeConfig, run_probe
-    from unison.probe_tables import format_table, ratio, write_outputs
+    from unison.probe_tables import format_table, precision_ratios, write_outputs
 
     cfg = ProbeConfig(model=args.model, prompts=args.prompts, precisions=_csv(args.precision),
                       engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
@@ -147,17 +147,8 @@ def cmd_probe(args) -> int:
     console = table_console(*tables)
     for table in tables:
         console.print(table)
-    by = {(r["engine"], r["precision"]): r for r in out["results"]
-          if r["param_dtype"] == cfg.param_dtypes[0] and not r["exact"] and r["quantization"] == "none"
-          and r["top_p"] == 1.0 and not r["top_k"]}
-    for eng in cfg.engines:
-        bf, fp = by.get((eng, "bf16")), by.get((eng, "fp16"))
-        if bf and fp:
-            rk = ratio(bf["mismatch/k3"], fp["mismatch/k3"])
-            rs = ratio(bf["mismatch/seq_kl"], fp["mismatch/seq_kl"])
-            rs3 = ratio(bf["mismatch/seq_kl_k3"], fp["mismatch/seq_kl_k3"])
-            console.print(f"{eng}: bf16/fp16 ratio of token k3 = {_fmt(rk)}, of seq KL = {_fmt(rs)}, "
-                          f"of seq KL (k3 sum) = {_fmt(rs3)}")
+    for line in precision_ratios(out["results"], cfg.engines, cfg.param_dtypes[0]):
+        console.print(line)
     console.print("wrote " + ", ".join(str(p) for p in written))
     from unison.probe_tables import exact_failed
 
@@ -457,7 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sanity(sub)
     _add_report(sub)
     _add_demo(sub)
+    p = sub.add_parser("view", help="the mismatch token by token: DIR/view.html, one self-contained page (printed)")
+    p.add_argument("dir", metavar="DIR", help="a run directory (unison train --out) or a probe's (unison probe --out)")
+    p.set_defaults(func=cmd_view)
     return parser
+
+
+def cmd_view(args) -> int:
+    from unison.view import render
+
+    print(render(args.dir))
+    return 0
 
 
 def _rank_tag() -> str:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import time
@@ -57,9 +58,10 @@ COLLAPSE_RECIPE = ["task.name=scratchpad", "task.operands=7", "task.digits=2", "
 
 @dataclass(frozen=True)
 class Regime:
-    """Part 2: a regime where the mismatch decides the outcome — its three runs (kind -> (label, rollout
-    quantization, ``run_sanity`` variant)), what its recipe adds to ``COLLAPSE_RECIPE``, the words its verdict uses
-    and the ledger term that carries its mismatch."""
+    """Part 2: a regime where the mismatch decides the outcome — its runs (kind -> (label, rollout quantization,
+    ``run_sanity`` variant): clean, broken, cured and, where the cure has two parts, the control: the cure without
+    the part it credits), what its recipe adds to ``COLLAPSE_RECIPE``, the words its verdict uses and the ledger term
+    that carries its mismatch."""
 
     recipe: list[str]
     arms: dict
@@ -68,6 +70,7 @@ class Regime:
     cure: str
     cure_run: str
     term: str
+    control: str = ""  # the verdict's words for the control run, when the regime has one
 
 
 STALE = {"rollout": {"max_staleness": 4}}
@@ -92,11 +95,15 @@ REGIMES = {
         arms={"clean": ("clean: fresh samples (K = 0)", "none", ("-k0", {"rollout": {"max_staleness": 0}})),
               "broken": ("samples 4 versions old, GRPO", "none", ("-k4", STALE)),
               "cured": ("samples 4 versions old + Token-TIS + mismatch-budget LR", "none",
-                        ("-k4-tis-budget", STALE_CURE))},
+                        ("-k4-tis-budget", STALE_CURE)),
+              # the control: the correction alone at the run's LR — what the budget's LR adds
+              "control": ("samples 4 versions old + Token-TIS at the run's LR (control)", "none",
+                          ("-k4-tis", {**STALE, "algo": "grpo_token_tis"}))},
         title="samples 4 policy versions old", broken="the K = 4 run",
         cure="the off-policy correction (Token-TIS) with the learning rate that follows the measured mismatch "
              "(train.schedule=mismatch_budget from 0.1× of the LR, k3 target 3e-3) cured it",
-        cure_run="the corrected run", term="staleness"),
+        cure_run="the corrected run", term="staleness",
+        control="Token-TIS alone at the run's LR (the control, no budget)"),
     # int4 rollout weights, and the quantization-aware learner (π is the policy μ samples from)
     "int4": Regime(
         recipe=[],
@@ -208,7 +215,10 @@ def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions:
     common = dict(k=k)
     jobs, part2 = [], []
     reg = REGIMES[regime]
-    for kind in ("cured", "broken", "clean"):  # the longest first: two workers finish together
+    kinds = part2_kinds(reg)
+    for kind in ("cured", "control", "broken", "clean"):  # the longest first: two workers finish together
+        if kind not in reg.arms:
+            continue
         _, quant, variant = reg.arms[kind]
         for s in seeds:
             job = dict(common, cfg=collapse_cfg.model_dump(mode="json"), out=str(out / "collapse"),
@@ -228,19 +238,24 @@ def run_demo(precision_cfg: Config, collapse_cfg: Config, out: Path, precisions:
     dirs = {id(j): [Path(d) for d in r] for j, r in zip(jobs, results)}
     prec_dirs = [d for j in jobs[len(part2):] for d in dirs[id(j)]]
     runs = {(kind, s): dirs[id(job)][0] for kind, s, job in part2}
-    per_seed = [judge_seed(s, *(_rows(runs[(kind, s)]) for kind in ("clean", "broken", "cured")), term=reg.term)
+    per_seed = [judge_seed(s, *(_rows(runs[(kind, s)]) for kind in ("clean", "broken", "cured")), term=reg.term,
+                           control_rows=_rows(runs[("control", s)]) if "control" in reg.arms else None)
                 for s in seeds]
     headline = headline_text(per_seed, reg)
-    trio = [(f"{reg.arms[kind][0]}, seed {s}", runs[(kind, s)]) for kind in ("clean", "broken", "cured")
-            for s in seeds]
+    part2_runs = [(f"{reg.arms[kind][0]}, seed {s}", runs[(kind, s)]) for kind in kinds for s in seeds]
     wall = {"warm starts": t_warm, "runs": wall_runs}
-    report = write_demo_report(out, prec_dirs, trio, per_seed, headline, precision_cfg, collapse_cfg, wall,
+    report = write_demo_report(out, prec_dirs, part2_runs, per_seed, headline, precision_cfg, collapse_cfg, wall,
                                reg, len(seeds))
-    arms = [summarize(d) for d in prec_dirs + [d for _, d in trio]]
-    for s, (lab, _) in zip(arms[len(prec_dirs):], trio):  # part 2's fp32 runs are not part 1's: say which is which
+    arms = [summarize(d) for d in prec_dirs + [d for _, d in part2_runs]]
+    for s, (lab, _) in zip(arms[len(prec_dirs):], part2_runs):  # part 2's fp32 runs are not part 1's: say which is which
         s["arm"] = lab
     return {"report": report, "headline": headline, "arms": arms, "per_seed": per_seed,
             "wall_s": time.perf_counter() - t0}
+
+
+def part2_kinds(reg: Regime) -> list[str]:
+    """Part 2's runs in the report's order: clean, broken, cured, then the control where the regime has one."""
+    return [k for k in ("clean", "broken", "cured", "control") if k in reg.arms]
 
 
 def _run_all(jobs: list[dict], workers: int) -> list[list[str]]:
@@ -270,10 +285,10 @@ def _tail(rows, key="reward/mean", n=10):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def judge_seed(seed: int, clean_rows, broken_rows, cured_rows, term: str = "quantization") -> dict:
+def judge_seed(seed: int, clean_rows, broken_rows, cured_rows, term: str = "quantization", control_rows=None) -> dict:
     """One seed of part 2: each run's training accuracy over its last 10 steps (the broken run's first 10 too),
-    whether the broken run collapsed (ended below COLLAPSED × the clean run) and whether the cure held (ended at
-    CURED × the clean run or above)."""
+    whether the broken run collapsed (ended below COLLAPSED × the clean run), whether the cure held (ended at
+    CURED × the clean run or above) and, given the control's rows, whether the control held by the same rule."""
     clean, broken, cured = _tail(clean_rows), _tail(broken_rows), _tail(cured_rows)
     ledger = [r for r in broken_rows if f"ledger/{term}_k3" in r]
     share = None
@@ -282,9 +297,13 @@ def judge_seed(seed: int, clean_rows, broken_rows, cured_rows, term: str = "quan
         terms = [k for k in last if k.startswith("ledger/") and k.endswith("_k3") and k != "ledger/total_k3"]
         tot = sum(max(last[k], 0.0) for k in terms) or 1.0
         share = max(last[f"ledger/{term}_k3"], 0.0) / tot
-    return {"seed": seed, "clean": clean, "broken": broken, "cured": cured, "broken_start": _tail(broken_rows[:10]),
-            "collapsed": broken < COLLAPSED * clean, "cure_held": cured >= CURED * clean,
-            "cure_collapsed": cured < COLLAPSED * clean, "term_share": share}
+    out = {"seed": seed, "clean": clean, "broken": broken, "cured": cured, "broken_start": _tail(broken_rows[:10]),
+           "collapsed": broken < COLLAPSED * clean, "cure_held": cured >= CURED * clean,
+           "cure_collapsed": cured < COLLAPSED * clean, "term_share": share}
+    if control_rows is not None:
+        control = _tail(control_rows)
+        out.update(control=control, control_held=control >= CURED * clean)
+    return out
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -316,7 +335,7 @@ def verdict(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
                 f"clean run or above), so this run cannot show the cure; docs/experiments/demo_recipe.md has 6 seeds")
     if len(collapsed) == n and len(held) == n:
         return (f"on every seed ({n}/{n}) {regime.broken} collapsed, and {regime.cure} (≥ {CURED:.0%} of the "
-                f"clean run)")
+                f"clean run)" + control_clause(per_seed, regime))
     parts = [f"{regime.broken} collapsed on {len(collapsed)}/{n} seeds ({seeds(collapsed)})"]
     if held:
         parts.append(f"{regime.cure_run} held on {len(held)} of them ({seeds(held)})")
@@ -330,19 +349,36 @@ def verdict(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
     return "; ".join(parts) + ": no cure is claimed (it must hold on every seed)"
 
 
+def control_clause(per_seed: list[dict], regime: Regime) -> str:
+    """What the control showed, for a verdict that claims the cure: held on no seed (the part the control leaves
+    out decided it), on some, or on every seed (the cure's credited part did not decide it)."""
+    if not regime.control or any("control" not in p for p in per_seed):
+        return ""
+    n, held = len(per_seed), [p for p in per_seed if p["control_held"]]
+    if not held:
+        return (f"; {regime.control} did not ({0}/{n} seeds at ≥ {CURED:.0%}): the learning rate decided it — a "
+                f"constant low LR found by a search cures as well (docs/experiments/demo_recipe.md)")
+    if len(held) == n:
+        return (f"; {regime.control} held as well ({n}/{n}): on these seeds the budget's LR is not what cured it")
+    return (f"; {regime.control} held on {len(held)}/{n} seeds "
+            f"({', '.join(str(p['seed']) for p in held)}): the budget's LR was needed on the others")
+
+
 def headline_text(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> str:
     def mean(key):
         xs = [p[key] for p in per_seed if math.isfinite(p[key])]
         return sum(xs) / len(xs) if xs else float("nan")
 
     each = "; ".join(f"seed {p['seed']}: {p['broken_start']:.2f} → {p['broken']:.2f}, cured {p['cured']:.2f}, "
-                     f"clean {p['clean']:.2f}" for p in per_seed)
+                     + (f"control {p['control']:.2f}, " if "control" in p else "")
+                     + f"clean {p['clean']:.2f}" for p in per_seed)
+    control = f", the control {mean('control'):.2f}" if all("control" in p for p in per_seed) else ""
     shares = [p["term_share"] for p in per_seed if p["term_share"] is not None]
     share = (f"; the ledger put {100 * sum(shares) / len(shares):.0f}% of the broken runs' mismatch on {regime.term}"
              if shares else "")
     n = len(per_seed)
     return (f"{regime.title}, GRPO training accuracy (last 10 steps), mean of {n} seed{'s' if n > 1 else ''}: "
-            f"{mean('broken_start'):.2f} → {mean('broken'):.2f}; {regime.cure_run} {mean('cured'):.2f}, the clean run "
+            f"{mean('broken_start'):.2f} → {mean('broken'):.2f}; {regime.cure_run} {mean('cured'):.2f}{control}, the clean run "
             f"{mean('clean'):.2f} ({each}){share}: {verdict(per_seed, regime)}")
 
 
@@ -353,17 +389,22 @@ def _ratio(a: float, b: float) -> str:
 def seed_table(per_seed: list[dict], regime: Regime = REGIMES["int4"]) -> list[str]:
     """Markdown: part 2 per seed and the mean."""
     broken, cured = regime.arms["broken"][0], regime.arms["cured"][0]
-    out = [f"| seed | clean | {broken} (first 10 → last 10) | broken / clean | {cured} | cured / clean | outcome |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    ctl = all("control" in p for p in per_seed)
+    extra = f" {regime.arms['control'][0]} | control / clean |" if ctl else ""
+    out = [f"| seed | clean | {broken} (first 10 → last 10) | broken / clean | {cured} | cured / clean |{extra} outcome |",
+           "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if ctl else "") + " --- |"]
     for p in per_seed:
         outcome = ("no collapse" if not p["collapsed"] else "cured" if p["cure_held"]
                    else f"not cured (< {COLLAPSED:.0%})" if p["cure_collapsed"] else f"not cured (< {CURED:.0%})")
+        c = f" {p['control']:.3f} | {_ratio(p['control'], p['clean'])} |" if ctl else ""
         out.append(f"| {p['seed']} | {p['clean']:.3f} | {p['broken_start']:.3f} → {p['broken']:.3f} | "
-                   f"{_ratio(p['broken'], p['clean'])} | {p['cured']:.3f} | {_ratio(p['cured'], p['clean'])} | {outcome} |")
+                   f"{_ratio(p['broken'], p['clean'])} | {p['cured']:.3f} | {_ratio(p['cured'], p['clean'])} |{c} {outcome} |")
     n = len(per_seed)
-    m = {k: sum(p[k] for p in per_seed) / n for k in ("clean", "broken", "cured", "broken_start")}
+    m = {k: sum(p[k] for p in per_seed) / n for k in ("clean", "broken", "cured", "broken_start")
+         + (("control",) if ctl else ())}
+    c = f" {m['control']:.3f} | {_ratio(m['control'], m['clean'])} |" if ctl else ""
     out.append(f"| mean | {m['clean']:.3f} | {m['broken_start']:.3f} → {m['broken']:.3f} | {_ratio(m['broken'], m['clean'])} "
-               f"| {m['cured']:.3f} | {_ratio(m['cured'], m['clean'])} | |")
+               f"| {m['cured']:.3f} | {_ratio(m['cured'], m['clean'])} |{c} |")
     return out
 
 
@@ -401,6 +442,11 @@ def write_demo_report(out: Path, prec_dirs, runs, per_seed, headline: str, cfg1:
                   *ledger_table([(s["arm"], d) for s, d in zip(prec + cure, [*prec_dirs, *(d for _, d in runs)])]),
                   "", f"![ledger]({led.relative_to(out)})", ""]
     lines += ["Runs: " + ", ".join(f"`{d}`" for d in [*prec_dirs, *(d for _, d in runs)]), ""]
+    views = [(s["arm"], Path(d) / "view.html") for s, d in zip(prec + cure, [*prec_dirs, *(d for _, d in runs)])]
+    views = [(lab, os.path.relpath(v, out)) for lab, v in views if v.exists()]
+    if views:  # the mismatch token by token (unison view), each run's page
+        lines += ["Token by token (`unison view`, each run's last step; a button for its step of largest k3): "
+                  + ", ".join(f"[{lab}]({v})" for lab, v in views), ""]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return out / "report.md"
 

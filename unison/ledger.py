@@ -122,6 +122,20 @@ class Ledger:
             return passes["premerge"], passes["premerge"]
         return None
 
+    def token_terms(self, step: int, size: int, rows: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Each term's per-token log-ratio (log p_prev − log p_next) from the last :meth:`measure` of ``step``, on a
+        batch of ``size`` rows of which it measured ``rows`` ([size, L], 0 elsewhere) — what ``unison view`` shows;
+        None when that step measured nothing."""
+        found = getattr(self, "_token_terms", None)
+        if found is None or found[0] != step:
+            return None
+        out = {}
+        for term, x in found[1].items():
+            full = torch.zeros((size, x.shape[1]), dtype=x.dtype)
+            full[rows] = x.cpu()
+            out[term] = full
+        return out
+
     def prepare(self, batch, step: int) -> list[tuple[str, torch.Tensor]]:
         """Every pass of the chain but its last (the trainer's own π_old), on every row of ``batch``: log μ, the
         engine's re-score, the learner's passes. ``step`` is the learner's version (0-based: the weights this
@@ -176,9 +190,11 @@ class Ledger:
             passes["premerge"] = chain[names.index("merge") - 1][1]
         self._passes = (step, passes)
         out = {}
+        self._token_terms = (step, {})
         for (_, prev), (term, nxt) in zip(chain, chain[1:]):
             out[f"ledger/{term}_k1"] = float(k1(nxt, prev, mask))
             out[f"ledger/{term}_k3"] = float(k3(nxt, prev, mask))
+            self._token_terms[1][term] = ((prev - nxt) * mask).detach()
         out["ledger/total_k1"] = float(k1(logp_pi, mu, mask))
         out["ledger/total_k3"] = float(k3(logp_pi, mu, mask))
         if self._held is not None:

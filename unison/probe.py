@@ -42,6 +42,8 @@ from unison.retokenize import retokenize_metrics
 from unison.rollout import SamplingParams, check_engine_available, generate, make_engine, parse_engine
 from unison.sides import Side
 from unison.sync import sync
+from unison.view import summary as view_summary
+from unison.view import token_records
 from unison.tasks import TASKS, make_task, task_class
 from unison.tasks.env import episode_metrics
 
@@ -90,6 +92,7 @@ class ProbeConfig:
     #: (each adapted weight moved by :data:`LORA_SCALE` of its norm), and the engine samples from the merged
     #: weights W + (α/r)·B·A — as a LoRA run syncs them — while the learner scores through the adapters
     lora_ranks: list[int] = field(default_factory=lambda: [0])
+    tokens: int = 8  #: responses per arm and variant recorded for ``unison view`` (tokens.json; largest k3 first)
 
 
 def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
@@ -391,24 +394,31 @@ def run_probe(cfg: ProbeConfig, log=lambda msg: print(msg, file=sys.stderr, flus
         if "native" not in inputs.engines:
             raise UnisonError("--exact needs the native engine: add native to --engine")
         learners.build_exact(inputs.precisions)
-    results, samples, timings = [], [], []
+    results, samples, timings, tokens = [], [], [], []
     for arm in probe_arms(cfg, inputs):
         sampled = _sample(arm, cfg, inputs, width, learners, log)
         scorer = learners.for_arm(arm)
         first = len(results)
         for pd, qa, replay in arm.variants(cfg):
-            row, sample, timing = _score(arm, cfg, inputs, scorer, sampled, pd, qa, replay, log)
+            row, sample, timing, logp_pi = _score(arm, cfg, inputs, scorer, sampled, pd, qa, replay, log)
             results.append(row)
             samples.append(sample)
             timings.append(timing)
+            records, of = token_records(sampled.batch, torch.arange(sampled.batch.size), logp_pi, None,
+                                        inputs.tokenizer, cfg.tokens)
+            label = arm.label + "".join([f"/{pd}" if len(cfg.param_dtypes) > 1 else "", "/QAT" if qa else "",
+                                         "/replay" if replay else ""])
+            tokens.append({"label": label, "of": of, "summary": view_summary(row), "responses": records})
         if sampled.traced is not None:  # --locate, against the plain learner in the arm's compute dtype
             results[first]["locate"] = _locate(arm, scorer, sampled, results[first], log)
         if sampled.rescored is not None:  # the ledger, against the arm's first row: the plain learner
             results[first].update(_ledger(arm, cfg, scorer, sampled))
-    config = {**asdict(cfg), "model": str(inputs.model_dir) if cfg.model else "builtin:tiny",
+            tokens[first]["summary"] = view_summary(results[first])
+    config = {**{k: v for k, v in asdict(cfg).items() if k != "tokens"},  # (what unison view records: not an arm)
+              "model": str(inputs.model_dir) if cfg.model else "builtin:tiny",
               "precisions": inputs.precisions, "engines": inputs.engines, "quantizations": inputs.quantizations,
               "num_prompts": len(inputs.prompts)}
-    return {"results": results, "config": config, "samples": samples, "timings": timings}
+    return {"results": results, "config": config, "samples": samples, "timings": timings, "tokens": tokens}
 
 
 def _sample(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, width: int, learners: _Learners, log) -> Sampled:
@@ -447,9 +457,9 @@ def _sample(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, width: int, learner
 
 
 def _score(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, scorer, sampled: Sampled, pd: str, qa: bool,
-           replay: bool, log) -> tuple[dict, dict, dict]:
+           replay: bool, log) -> tuple[dict, dict, dict, torch.Tensor]:
     """One variant of an arm: the learner scores the arm's tokens as ``(pd, qa, replay)`` say; its probe row, its
-    plot samples and its timings."""
+    plot samples, its timings and the learner's log-probs."""
     batch, mask = sampled.batch, sampled.batch.response_mask
     vtag = "".join([", quantization-aware" if qa else "", ", sampling-mask replay" if replay else ""])
     log(f"[probe] {arm.label}: scoring {batch.num_response_tokens} tokens with the learner (parameters: {pd}{vtag})")
@@ -490,7 +500,7 @@ def _score(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, scorer, sampled: Sam
     timing = {"engine": arm.engine, "precision": prec.label, "quantization": arm.quantization,
               "rollout_s": sampled.rollout_s, "score_s": t_score, "peak_rss_gib": _peak_rss_gib(),
               "rollout_tokens_per_s": batch.num_response_tokens / max(sampled.rollout_s, 1e-9)}
-    return row, sample, timing
+    return row, sample, timing, logp_pi
 
 
 def _locate(arm: Arm, scorer, sampled: Sampled, row: dict, log) -> dict:

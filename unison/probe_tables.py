@@ -10,17 +10,42 @@ from unison.data_io import atomic_write_text
 from unison.ledger import TERMS
 from unison.locate import locate_markdown
 from unison.plots import probe_plots
+from unison.view import render as render_view
 
 
 def write_outputs(out: dict, out_dir: Path) -> list[Path]:
-    """Write ``probe.json`` (atomically) and the plots into ``out_dir``."""
+    """Write ``probe.json`` (atomically), the plots, and the token records with their page (``tokens.json``,
+    ``view.html``: ``unison view``) into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"results": out["results"], "config": out["config"]}
     written = [atomic_write_text(out_dir / "probe.json", json.dumps(payload, indent=2) + "\n")]
+    if out.get("tokens"):
+        written.append(atomic_write_text(out_dir / "tokens.json", json.dumps({"arms": out["tokens"]},
+                                                                             separators=(",", ":"))))
+        written.append(render_view(out_dir))
     if any(r.get("locate") for r in out["results"]):
         written.append(atomic_write_text(out_dir / "locate.md", locate_markdown(out["results"])))
     written += probe_plots(out["results"], out["samples"], out_dir / "plots")
     return written
+
+
+def precision_ratios(results: list[dict], engines: list[str], param_dtype: str) -> list[str]:
+    """Paper A's comparison per engine: bf16's mismatch over fp16's (token k3, sequence KL), on the plain arms."""
+    by = {(r["engine"], r["precision"]): r for r in results
+          if r["param_dtype"] == param_dtype and not r["exact"] and r["quantization"] == "none"
+          and r["top_p"] == 1.0 and not r["top_k"]}
+    out = []
+    for eng in engines:
+        bf, fp = by.get((eng, "bf16")), by.get((eng, "fp16"))
+        if bf and fp:
+            rk, rs, rs3 = (ratio(bf[k], fp[k]) for k in ("mismatch/k3", "mismatch/seq_kl", "mismatch/seq_kl_k3"))
+            out.append(f"{eng}: bf16/fp16 ratio of token k3 = {_fmt(rk)}, of seq KL = {_fmt(rs)}, "
+                       f"of seq KL (k3 sum) = {_fmt(rs3)}")
+    return out
+
+
+def _fmt(x) -> str:
+    return "–" if x is None else f"{x:.1f}x"
 
 
 def ratio(a: float, b: float) -> float | None:

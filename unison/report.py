@@ -349,6 +349,10 @@ def write_report(run_dirs, out_dir: str | Path, title: str = "unison report", no
                   "than two means ± sd.", "", paired_markdown(paired, baseline), ""]
     for p in plots:
         lines.append(f"![{p.stem}]({os.path.relpath(p, out_dir)})")
+    views = [(s["arm"], d / "view.html") for d, s in zip(run_dirs, summaries) if (d / "view.html").is_file()]
+    if views:  # the mismatch token by token (unison view)
+        lines += ["", "Token by token (`unison view`): " + ", ".join(
+            f"[{arm}]({os.path.relpath(v, out_dir)})" for arm, v in views), ""]
     for d, s in zip(run_dirs, summaries):
         lines += episodes_section(d, s["arm"])
     lines.append("")

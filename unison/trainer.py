@@ -65,6 +65,8 @@ from unison.tasks import make_reward, make_task
 from unison.tasks.env import model_token_budget, tokens_after_prompt, with_model_tokens
 from unison.teacher import Teacher
 from unison.telemetry import Mismatch, Watchdogs, batch_metrics, timed
+from unison.view import render as render_view
+from unison.view import token_records, write_step
 
 
 def _stderr(msg: str) -> None:
@@ -211,6 +213,7 @@ class Trainer:
             known = self.anchor.known(batch, stats, cmetrics)
             metrics.update(self.mismatch.measure(batch, known, step, chain, t["time/ledger_s"]))
             metrics.update(batch_metrics(batch, step))                 #    weights 6 overwrites)
+            self._record_tokens(batch, known, weights, step, metrics)  #    (unison view)
         self.source.wake()
         with timed("time/sync_s", t):
             sync = self.source.publish(self.weights, step + 1)         # 6. weights to the engine
@@ -222,6 +225,18 @@ class Trainer:
             **memory_metrics(self.learner.device)})
         self.watch.signal(metrics, batch)
         return self._finish_step(metrics, t_step, batch.num_response_tokens)
+
+    def _record_tokens(self, batch, known, weights, step: int, metrics: dict) -> None:
+        """``log.tokens``: the step's responses of largest mismatch, token by token, for ``unison view``."""
+        lg = self.cfg.log
+        if not lg.tokens or not self.dist.is_main:
+            return
+        if callable(weights):  # applied per micro-batch: the weights of π_old where it is known
+            weights = self.anchor.correct(known.logp, batch.logp_mu, batch.response_mask)[0]
+        terms = self.ledger.token_terms(step, batch.size, known.rows) if self.ledger is not None else None
+        records, of = token_records(batch, known.rows, known.logp, weights, self.tokenizer, lg.tokens,
+                                    batch.rewards, terms)
+        write_step(self.run_dir, step + 1, records, of, metrics, lg.tokens_recent, lg.tokens_thin)
 
     def _retokenize(self, completions, step: int) -> dict:
         """Multi-turn, every ``mismatch.decompose_every`` steps: the mismatch a framework that decodes and
@@ -294,6 +309,8 @@ class Trainer:
             if self.dist.is_main:
                 atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
                 try:
+                    if cfg.log.tokens:
+                        render_view(self.run_dir)
                     write_report([self.run_dir], self.run_dir, title=f"run {self.run_dir.name}")
                 except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the run
                     self.log(f"[train] report skipped: {e}")

@@ -1,10 +1,13 @@
 """The report of run_lift.sh (issue 52): does distillation lift a student, and which arm leads?
 
-    python experiments/distillation/analyze_lift.py runs/distill_lift docs/experiments/distillation.md
+    python experiments/distillation/analyze_lift.py docs/experiments/distillation.md runs/distill_lift \
+        runs/distill_lift_lr3e-3
+
 
 Reads ``runs/distill_lift/<arm>-s<seed>/metrics.jsonl`` (every arm logs ``reward/mean``, the training reward of the
 student's own samples, and ``distill/reverse_kl_pi``, the per-token reverse-KL estimate to the teacher on them) and
-writes the page and its curves (``docs/img/distill_lift.png``): per arm and seed the first and last 10 steps, the
+writes the page's block between ``<!-- lift: begin -->`` and ``<!-- lift: end -->``, one section per run root
+with its curves (``docs/img/<root's name>.png``): per arm and seed the first and last 10 steps, the
 step the student first reaches half the teacher's reward (10-step mean), and the mean over seeds per step.
 """
 
@@ -73,7 +76,8 @@ def teacher_reward(root: Path) -> float | None:
     return None
 
 
-def main(root: Path, page: Path) -> Path:
+def section(root: Path, page: Path) -> list[str]:
+    """One run root's tables and curves: its LR and steps from the first run's config."""
     runs = load(root)
     teacher = teacher_reward(root)
     half = teacher / 2 if teacher else None
@@ -95,8 +99,7 @@ def main(root: Path, page: Path) -> Path:
     for arm, xs in per_arm.items():
         summary.append(f"| {ARMS[arm]} | {len(xs)} | {pm([x[1] for x in xs])} | {pm([x[3] for x in xs])} | "
                        f"{sum(x[4] is not None for x in xs)}/{len(xs)} |")
-    img = page.parent.parent / "img" / "distill_lift.png" if page.parent.name == "experiments" else \
-        page.with_suffix(".png")
+    img = (page.parent.parent / "img" if page.parent.name == "experiments" else page.parent) / f"{root.name}.png"
     img.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for arm, label in ARMS.items():
@@ -117,10 +120,18 @@ def main(root: Path, page: Path) -> Path:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(img, dpi=110)
+    plt.close(fig)
+    first = next((r for seeds in runs.values() for r in seeds.values()), [])
+    lr = next((r[0]["optim/lr"] for seeds in runs.values() for r in seeds.values() if "optim/lr" in r[0]), None)
+    title = f"### LR {lr:.0e}, {len(first)} steps (`runs/{root.name}`)" if isinstance(lr, float) else f"### `runs/{root.name}`"
+    return [title, "", *summary, "", "Every run (10-step means):", "", *lines, "",
+            f"![reward and reverse KL per step, mean of the seeds, {root.name}](../img/{img.name})", ""]
+
+
+def main(page: Path, roots: list[Path]) -> Path:
     text = page.read_text() if page.exists() else ""
     start, end = "<!-- lift: begin -->", "<!-- lift: end -->"
-    block = "\n".join([start, "", *summary, "", "Every run (10-step means):", "", *lines, "",
-                       f"![reward and reverse KL per step, mean of the seeds](../img/{img.name})", "", end])
+    block = "\n".join([start, "", *(x for r in roots for x in section(r, page)), end])
     if start in text:
         text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
     else:
@@ -130,4 +141,6 @@ def main(root: Path, page: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(main(Path(sys.argv[1]), Path(sys.argv[2])))
+    if len(sys.argv) < 3:
+        sys.exit("usage: analyze_lift.py PAGE RUNS [RUNS ...]")
+    print(main(Path(sys.argv[1]), [Path(a) for a in sys.argv[2:]]))

@@ -171,3 +171,10 @@ class LogConfig(_Section):
     #: multi-turn episodes also turn by turn (``turns``: whose tokens — the model's or the environment's —
     #: each span holds) and as messages; the run's report.md then shows the newest step's episodes
     rollouts: bool = False
+    #: per-token records for `unison view` (tokens/step_N.json): each step, up to this many responses — those of
+    #: largest mismatch — with every token's log μ, log π_old, version, correction weight and, on ledger steps, the
+    #: ledger's terms; 0 = off
+    tokens: int = Field(32, ge=0)
+    #: the last this many steps' records are kept whole; before them only every ``tokens_thin``-th step's
+    tokens_recent: int = Field(100, ge=1)
+    tokens_thin: int = Field(10, ge=1)
