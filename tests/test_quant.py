@@ -48,6 +48,66 @@ def test_int4_groups_by_hand():
     assert torch.allclose(q.dequantize(), torch.tensor([[0.7, -0.4, 1.4, 0.2], [-0.07, 0.0, 0.0, 0.0]]), atol=1e-6)
 
 
+def test_e2m1_rounding_by_hand():
+    """e2m1 values 0, 0.5, 1, 1.5, 2, 3, 4, 6: nearest, ties to the even mantissa (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+    1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating at ±6, the sign kept."""
+    from unison.quant import round_e2m1
+
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 0.8, 2.6, 5.1, 7.0, -0.3, -5.0, -9.0, 0.0])
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 1.0, 3.0, 6.0, 6.0, -0.5, -4.0, -6.0, 0.0]
+    assert round_e2m1(x).tolist() == want
+
+
+def _row(head, n=32):
+    return torch.tensor(head + [0.0] * (n - len(head)))
+
+
+def test_mxfp4_blocks_of_32_with_power_of_two_scales_by_hand():
+    """OCP MX: scale 2^(floor(log2 amax) − 2) per block of 32. Row 0: amax 5.9 -> 2^(2−2) = 1, elements rounded as
+    e2m1. Row 1: amax 0.7 -> 2^(−1−2) = 1/8: 0.7·8 = 5.6 -> 6 (0.75), 0.35·8 = 2.8 -> 3 (0.375), −0.1·8 -> −1.
+    Row 2: amax 7.5 -> scale 2^(2−2) = 1, and 7.5 saturates to 6 (the spec's floor rule clips a block's top)."""
+    w = torch.stack([_row([3.0, -1.1, 0.8, 0.26, 5.9, 0.25, 2.5, 5.0]), _row([0.7, 0.35, -0.1]), _row([7.5, 1.0])])
+    q = quantize(w, "mxfp4")
+    assert q.scale.flatten().tolist() == [1.0, 0.125, 1.0]
+    assert q.codes[0, 0, :8].tolist() == [3.0, -1.0, 1.0, 0.5, 6.0, 0.0, 2.0, 4.0]
+    assert q.codes[1, 0, :3].tolist() == [6.0, 3.0, -1.0]
+    assert q.codes[2, 0, :2].tolist() == [6.0, 1.0]
+    deq = q.dequantize()
+    assert deq.shape == w.shape and deq[1, :3].tolist() == [0.75, 0.375, -0.125] and deq[2, 0] == 6.0
+
+
+def test_mxfp8_blocks_of_32_with_power_of_two_scales_by_hand():
+    """scale 2^(floor(log2 amax) − 8): amax 1.0 -> 2^−8; 0.3·256 = 76.8 -> 80 (e4m3 step 8 in [64, 128)), −0.01·256
+    = −2.56 -> −2.5 (step 0.25 in [2, 4)); amax 1.9 -> 2^−8 too, and 1.9·256 = 486.4 saturates at 448 (1.75)."""
+    w = torch.stack([_row([1.0, 0.3, -0.01]), _row([1.9, 0.5])])
+    q = quantize(w, "mxfp8")
+    assert q.codes.dtype == torch.float8_e4m3fn and q.scale.flatten().tolist() == [2.0 ** -8, 2.0 ** -8]
+    assert q.codes.float()[0, 0, :3].tolist() == [256.0, 80.0, -2.5] and q.codes.float()[1, 0, :2].tolist() == [448.0, 128.0]
+    assert q.dequantize()[0, :3].tolist() == [1.0, 0.3125, -2.5 / 256] and q.dequantize()[1, 0] == 1.75
+
+
+def test_nvfp4_blocks_of_16_with_e4m3_scales_under_a_tensor_scale_by_hand():
+    """Tensor scale g = amax / (6·448) = 6 / 2688 = 1/448. Block 0 (amax 6): e4m3(6/6/g) = 448 -> scale 448·g = 1.
+    Block 1 (amax 0.3): 0.3/6/g = 22.4 -> e4m3 22 (step 2 in [16, 32)) -> scale 22/448; 0.3/(22/448) = 6.11 -> 6,
+    0.1 -> 2.04 -> 2, −0.05 -> −1.02 -> −1. A block whose e4m3 scale underflows (amax 1e-6: 1e-6/6·448 = 7.5e-5,
+    below e4m3's smallest 2^−9) holds zeros."""
+    w = torch.cat([_row([6.0, 2.9, -0.7], 16), _row([0.3, 0.1, -0.05], 16), _row([1e-6], 16)]).unsqueeze(0)
+    q = quantize(w, "nvfp4")
+    assert q.codes.shape == (1, 3, 16)
+    assert q.scale.flatten()[:2].tolist() == pytest.approx([1.0, 22 / 448], rel=1e-6)
+    assert q.codes[0, 0, :3].tolist() == [6.0, 3.0, -0.5] and q.codes[0, 1, :3].tolist() == [6.0, 2.0, -1.0]
+    assert q.codes[0, 2].abs().sum() == 0
+    deq = q.dequantize()[0]
+    assert deq[16:19].tolist() == pytest.approx([6 * 22 / 448, 2 * 22 / 448, -22 / 448], rel=1e-6)
+    assert deq[32:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("fmt,block", [("mxfp8", 32), ("mxfp4", 32), ("nvfp4", 16)])
+def test_block_formats_refuse_an_input_dimension_their_block_does_not_divide(fmt, block):
+    with pytest.raises(UnisonError, match=f"{fmt} groups of {block} do not divide an input dimension of 24"):
+        quantize(torch.ones(2, 24), fmt)
+
+
 def test_input_dimension_first_layout_and_dtype():
     """GPT-2's Conv1D stores [in, out]: the scale is per output column."""
     w = torch.tensor([[1.27, 0.0], [-0.63, 2.54]])  # columns are output channels
@@ -86,7 +146,7 @@ def test_targets_leave_embeddings_head_norms_and_routers_alone(tiny_dir, tmp_pat
     assert {t.in_dim for t in targets(gpt2)} == {0}  # Conv1D: [in, out]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "mxfp8", "mxfp4", "nvfp4"])
 def test_engine_holds_quantize_of_the_learner_after_every_sync(tiny_dir, fmt):
     engine = make_engine("native", tiny_dir, Side(dtype=torch.bfloat16, quantization=fmt))
     learner = Learner(tiny_dir)
@@ -131,6 +191,21 @@ def test_probe_rows_per_quantization_are_ordered(tiny_dir, tmp_path):
     assert set(rows) == {"none", "int8", "int4"}
     assert rows["none"]["mismatch/k3"] < 1e-9 < rows["int8"]["mismatch/k3"] < rows["int4"]["mismatch/k3"]
     assert rows["int4"]["mismatch/token_rho_outside_fraction"] > rows["none"]["mismatch/token_rho_outside_fraction"] == 0
+
+
+def test_probe_rows_of_the_block_formats(tiny_dir, tmp_path):
+    """The 8-bit block format is far closer to the learner than the 4-bit ones (tiny model, fp32: mxfp8 k3 2.1e-2,
+    nvfp4 0.159, mxfp4 0.225 at --n 8 --max-new-tokens 128), and every start-up warning can cite its figure."""
+    from unison.algorithms.presets import resolve_policy
+    from unison.config import PolicyConfig
+    from unison.probe import ProbeConfig, run_probe
+
+    out = run_probe(ProbeConfig(precisions=["fp32"], quantizations=["none", "mxfp8", "mxfp4", "nvfp4"], n=4,
+                                max_new_tokens=32), log=lambda m: None)
+    k3 = {r["quantization"]: r["mismatch/k3"] for r in out["results"]}
+    assert k3["none"] < 1e-9 < k3["mxfp8"] < min(k3["mxfp4"], k3["nvfp4"]) / 3
+    for fmt in ("mxfp8", "mxfp4", "nvfp4"):
+        assert "on the built-in tiny model" in quantization_warning(fmt, resolve_policy("grpo", PolicyConfig()))
 
 
 # ------------------------------------------------------------------ bad input: one line, nothing written

@@ -14,6 +14,16 @@ compute dtype stays ``rollout_precision``. Formats (all symmetric, no zero point
 * ``int4``: groups of ``group_size`` (default 64) consecutive input columns of each output
   channel, s = max|w_group| / 7, codes round(w / s) ∈ [−7, 7] (as GPTQ/AWQ-style W4A16
   kernels with symmetric groups; −8 is never produced).
+* ``mxfp8`` / ``mxfp4`` (OCP Microscaling v1.0): blocks of 32 consecutive input columns share a
+  power-of-two scale (e8m0) 2^(⌊log2 max|w_block|⌋ − e), e the element format's largest exponent
+  (e4m3: 8, max 448; e2m1: 2, max 6); elements w / scale rounded to the nearest e4m3 / e2m1 value
+  (ties to even), saturating at ±448 / ±6 — the spec's rule, so a block's largest element can clip
+  to 6 (e2m1 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6).
+* ``nvfp4`` (NVIDIA's FP4, the Blackwell tensor-core format): blocks of 16 input columns, e2m1
+  elements, each block's scale max|w_block| / 6 stored in e4m3 relative to a per-tensor fp32 scale
+  max|w| / (6 · 448) (TensorRT Model Optimizer's recipe): scale = e4m3(max|w_block| / 6 / g) · g.
+
+The block formats fix their block size (32, 32, 16): ``rollout.quant_group_size`` is int4's.
 
 Dequantization is ``codes · s`` in fp32, rounded to the compute dtype: the weights a W8A16 /
 W4A16 kernel multiplies by. Which weights: every linear weight inside the decoder layers
@@ -38,10 +48,36 @@ from unison.algorithms.losses import SELF_CORRECTING
 from unison.distributed import decoder_layers
 from unison.errors import UnisonError
 
-FORMATS = ("none", "fp8", "int8", "int4")
+FORMATS = ("none", "fp8", "int8", "int4", "mxfp8", "mxfp4", "nvfp4")
 #: int4: input columns per scale (``rollout.quant_group_size``)
 DEFAULT_GROUP = 64
-_QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+_QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0, "mxfp8": 448.0, "mxfp4": 6.0, "nvfp4": 6.0}
+#: the block formats' fixed block sizes (input columns per scale)
+BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
+#: the largest exponent of each MX element format (e4m3: 448 = 1.75·2^8; e2m1: 6 = 1.5·2^2)
+_EMAX = {"mxfp8": 8, "mxfp4": 2}
+#: every e2m1 value ≥ 0; the index's parity is the mantissa bit (ties round to the even index)
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def group_of(fmt: str, group_size: int) -> int | None:
+    """Input columns per scale: the block formats' fixed block, int4's ``group_size``, None per channel."""
+    return BLOCK.get(fmt, group_size if fmt == "int4" else None)
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the nearest e2m1 value, ties to even (fp32 in, fp32 out), saturating at ±6."""
+    grid = E2M1.to(x.device)
+    a = x.abs().clamp(max=6.0)
+    lo = (torch.bucketize(a, grid, right=True) - 1).clamp(0, len(grid) - 2)  # grid[lo] ≤ a < grid[lo + 1]
+    d_lo, d_hi = a - grid[lo], grid[lo + 1] - a
+    up = (d_hi < d_lo) | ((d_hi == d_lo) & (lo % 2 == 1))  # a tie goes to the even index (lo + 1 when lo is odd)
+    return torch.copysign(grid[lo + up.long()], x)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the nearest e4m3 (OCP ``float8_e4m3fn``) value, saturating at ±448, back in fp32."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
 
 
 def parse_quantization(name: str) -> str:
@@ -52,10 +88,10 @@ def parse_quantization(name: str) -> str:
 
 
 def check_format_available(fmt: str) -> None:
-    """fp8 needs torch's float8 dtypes (torch ≥ 2.1)."""
-    if fmt == "fp8" and not hasattr(torch, "float8_e4m3fn"):
-        raise UnisonError(f"rollout.quantization fp8 needs a torch with float8 dtypes (this is {torch.__version__}): "
-                          f"upgrade torch (≥ 2.1), or use int8 or int4")
+    """fp8 and the e4m3-based block formats need torch's float8 dtypes (torch ≥ 2.1)."""
+    if fmt in ("fp8", "mxfp8", "nvfp4") and not hasattr(torch, "float8_e4m3fn"):
+        raise UnisonError(f"rollout.quantization {fmt} needs a torch with float8 dtypes (this is {torch.__version__}): "
+                          f"upgrade torch (≥ 2.1), or use int8, int4 or mxfp4")
 
 
 @dataclass(frozen=True)
@@ -68,8 +104,10 @@ class Target:
 
 def _codes(w: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
     x = w / scale
-    if fmt == "fp8":
+    if fmt in ("fp8", "mxfp8"):
         return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    if fmt in ("mxfp4", "nvfp4"):
+        return round_e2m1(x)  # e2m1 values held in fp32 (torch has no e2m1 arithmetic)
     q = _QMAX[fmt]
     return torch.round(x).clamp(-q, q).to(torch.int8)
 
@@ -88,26 +126,39 @@ class Quantized:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``codes · scale`` in fp32, in the original layout, rounded to ``dtype``."""
         w = self.codes.float() * self.scale
-        if self.fmt == "int4":
+        if self.fmt == "int4" or self.fmt in BLOCK:
             w = w.reshape(*w.shape[:-2], -1)
         return w.movedim(-1, self.in_dim).to(dtype)
 
 
 def quantize(w: torch.Tensor, fmt: str, in_dim: int = -1, group_size: int = DEFAULT_GROUP) -> Quantized:
     """Quantize ``w`` (any shape; ``in_dim`` is its input dimension) in fp32, per output channel
-    (int4: per group of ``group_size`` input columns). A channel (group) of zeros gets scale 1."""
+    (int4: per group of ``group_size`` input columns; the block formats per block of ``BLOCK[fmt]``).
+    A channel (group, block) of zeros gets scale 1."""
     if fmt not in _QMAX:
         raise UnisonError(f"unknown quantization '{fmt}': choose one of {', '.join(FORMATS)}")
     check_format_available(fmt)
     x = w.detach().float().movedim(in_dim, -1)
     n_in = x.shape[-1]
-    if fmt == "int4":
-        if n_in % group_size:
-            raise UnisonError(f"int4 groups of {group_size} do not divide an input dimension of {n_in}: set "
-                              f"rollout.quant_group_size to a divisor of {n_in}")
-        x = x.reshape(*x.shape[:-1], n_in // group_size, group_size)
+    g = group_of(fmt, group_size)
+    if g is not None:
+        if n_in % g:
+            fix = (f"set rollout.quant_group_size to a divisor of {n_in}" if fmt == "int4" else
+                   f"{fmt}'s blocks are fixed by the format: use int4 with a group size dividing {n_in}, or fp8")
+            raise UnisonError(f"{fmt} groups of {g} do not divide an input dimension of {n_in}: {fix}")
+        x = x.reshape(*x.shape[:-1], n_in // g, g)
     amax = x.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / _QMAX[fmt], torch.ones_like(amax))
+    if fmt in _EMAX:  # e8m0: a power of two, 2^(floor(log2 amax) − emax), its exponent within e8m0's [−127, 127]
+        e = torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - _EMAX[fmt]
+        scale = torch.where(amax > 0, torch.exp2(e.clamp(-127, 127)), torch.ones_like(amax))
+    elif fmt == "nvfp4":  # e4m3 block scales under one fp32 tensor scale
+        g_amax = x.abs().amax()
+        tensor_scale = g_amax / (6.0 * 448.0) if g_amax > 0 else torch.ones_like(g_amax)
+        block = round_e4m3(amax / 6.0 / tensor_scale)
+        x = torch.where(block > 0, x, torch.zeros_like(x))  # a block whose e4m3 scale underflows to 0 is zeros
+        scale = torch.where(block > 0, block * tensor_scale, torch.ones_like(amax))
+    else:
+        scale = torch.where(amax > 0, amax / _QMAX[fmt], torch.ones_like(amax))
     return Quantized(_codes(x, fmt, scale), scale, fmt, in_dim)
 
 
@@ -293,13 +344,16 @@ def check_targets(model: torch.nn.Module, fmt: str, group_size: int, found: list
     if not found:
         raise UnisonError(f"rollout.quantization {fmt}: found no linear weights inside the decoder layers of "
                           f"{type(model).__name__}: set rollout.quantization=none for this model")
-    if fmt == "int4":
+    g = group_of(fmt, group_size)
+    if g is not None:
         params = dict(model.named_parameters())
         for t in found:
             n_in = params[t.name].shape[t.in_dim]
-            if n_in % group_size:
-                raise UnisonError(f"rollout.quantization int4: groups of {group_size} do not divide the {n_in} input "
-                                  f"columns of '{t.name}': set rollout.quant_group_size to a divisor of {n_in}")
+            if n_in % g:
+                fix = (f"set rollout.quant_group_size to a divisor of {n_in}" if fmt == "int4" else
+                       f"{fmt}'s blocks of {g} are fixed by the format: use int4 with a group size dividing {n_in}")
+                raise UnisonError(f"rollout.quantization {fmt}: groups of {g} do not divide the {n_in} input "
+                                  f"columns of '{t.name}': {fix}")
     return found
 
 
@@ -309,7 +363,10 @@ def check_targets(model: torch.nn.Module, fmt: str, group_size: int, found: list
 #: experiment (docs/experiments/quantized_rollout.md) is lower, 3.5e-5 / 7e-4 / 2–4e-2
 MEASURED_K3 = {"fp8": "1.4e-2 on the built-in tiny model and 2.2e-2 on SmolLM2-135M",
                "int8": "9.2e-4 on the built-in tiny model and 4.5e-3 on SmolLM2-135M",
-               "int4": "0.213 on the built-in tiny model and 0.757 on SmolLM2-135M"}
+               "int4": "0.213 on the built-in tiny model and 0.757 on SmolLM2-135M",
+               "mxfp8": "2.1e-2 on the built-in tiny model (not yet measured on SmolLM2-135M)",
+               "mxfp4": "0.225 on the built-in tiny model (not yet measured on SmolLM2-135M)",
+               "nvfp4": "0.159 on the built-in tiny model (not yet measured on SmolLM2-135M)"}
 #: what unison's own experiment found (docs/experiments/quantized_rollout.md)
 MEASURED_EFFECT = {"int4": "; in unison's experiment uncorrected GRPO fell from 0.81 to 0.58 training accuracy at int4"}
 
