@@ -102,12 +102,22 @@ def reference(args, out: Path) -> dict:
             "rss_peak_after_step_50_mib": max(late) if late else None, "rss_samples": len(samples)}
 
 
+def kill_targets(rng: random.Random, steps: int, kills: int, every: int) -> list[int]:
+    """``kills`` distinct steps in [3, steps − 3]: half of them right after a checkpoint step (the save may be in
+    flight), the others anywhere in a step; two draws that snap to the same checkpoint step are drawn again."""
+    saves = [s for s in range(every, steps - 2, every) if s >= 3]  # the checkpoint steps a kill can follow
+    targets: set[int] = set()
+    n = min(kills, steps - 5)
+    while len(targets) < n:
+        snap = len(targets) % 2 and len(saves) > sum(t in saves for t in targets)
+        targets.add(rng.choice(saves) if snap else rng.randrange(3, steps - 2))
+    return sorted(targets)
+
+
 def soak(args, out: Path, rng: random.Random) -> dict:
     """The killed-and-resumed run: [(kill target step, the step the metrics reached, exit signal)]."""
     run = out / "soak"
-    targets = sorted(rng.sample(range(3, args.steps - 2), args.kills))
-    # half of the kills right after a checkpoint step (the save may be in flight), the others anywhere in a step
-    targets = sorted({(t // args.every) * args.every or t if i % 2 else t for i, t in enumerate(targets)})
+    targets = kill_targets(rng, args.steps, args.kills, args.every)
     kills, resume, step_s = [], False, 0.3
     shm_before = _shm()
     metrics = run / "metrics.jsonl"
