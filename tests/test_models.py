@@ -328,3 +328,35 @@ def test_lora_merge_equals_peft_merge_on_non_square_and_conv1d_layers(zoo, arch,
     reference = peft_model.merge_and_unload().state_dict()
     for name, w in ours.items():
         assert torch.allclose(w, reference[name], atol=1e-6, rtol=0), name
+
+
+@pytest.mark.parametrize("model_type,config", [
+    ("qwen3_next", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=1,
+                        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0, vocab_size=None)),
+    ("mamba2", dict(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=16, n_groups=1,
+                    expand=2, vocab_size=None)),
+])
+def test_a_hybrid_or_state_space_model_is_refused_in_one_line(tmp_path, capsys, tiny_dir, model_type, config):
+    """Issue 54: a tiny random qwen3_next (Gated DeltaNet layers between attention) or mamba2 ended in an
+    AttributeError deep in the engine; now `unison train` and `unison probe` refuse it in one line naming the
+    architecture, exit 2, and write nothing."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    cfg = AutoConfig.for_model(model_type, **{**config, "vocab_size": len(tok)})
+    model_dir = tmp_path / model_type
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    for f in Path(tiny_dir).iterdir():
+        if "token" in f.name or f.name.endswith(".model"):
+            shutil.copy(f, model_dir / f.name)
+    (tmp_path / "c.yaml").write_text(f"model: {model_dir}\ntrain:\n  steps: 1\n")
+    assert main(["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"is a {model_type} model" in err[0] and "attention-only causal LM" in err[0], err
+    assert not (tmp_path / "run").exists()
+    assert main(["probe", "--model", str(model_dir), "--out", str(tmp_path / "probe")]) == 2
+    assert f"is a {model_type} model" in capsys.readouterr().err and not (tmp_path / "probe").exists()

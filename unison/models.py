@@ -350,17 +350,40 @@ def model_shell(model_dir: Path, for_training: bool = False):
     return model.eval()
 
 
+#: architectures whose layers are (in part) linear attention or state-space models: a recurrent decode against a
+#: chunked training scan, which neither engine nor the learner runs yet (issue 54) — refused in one line
+RECURRENT_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mamba", "mamba2", "falcon_mamba", "nemotron_h",
+                   "falcon_h1", "kimi_linear", "lfm2", "lfm2_moe", "granitemoehybrid", "jamba", "zamba", "zamba2",
+                   "bamba", "rwkv", "recurrent_gemma", "xlstm", "minimax", "olmo_hybrid")
+#: a ``layer_types`` entry naming a layer that is not softmax attention
+_RECURRENT_LAYER = ("linear", "mamba", "ssm", "recurrent", "conv", "delta", "rwkv")
+
+
+def check_not_recurrent(config, model_dir) -> None:
+    """Refuse a hybrid or state-space model in one line, before anything is loaded or written."""
+    kinds = {str(k) for k in (getattr(config, "layer_types", None) or []) if isinstance(k, str)}
+    odd = sorted(k for k in kinds if any(w in k.lower() for w in _RECURRENT_LAYER))
+    if config.model_type in RECURRENT_TYPES or odd:
+        what = f"its {', '.join(odd)} layers" if odd else "its state-space / linear-attention layers"
+        raise UnisonError(f"'{model_dir}' is a {config.model_type} model: {what} decode with a recurrent state "
+                          f"that unison's engines and learner do not run yet (hybrid models: docs/models.md); use an "
+                          f"attention-only causal LM (llama, mistral, qwen2, qwen3, gemma, gpt2, ...)")
+
+
 def model_config(model_dir: Path):
-    """The model's ``PretrainedConfig``, read without loading any weights."""
+    """The model's ``PretrainedConfig``, read without loading any weights; a hybrid or state-space model is
+    refused (:func:`check_not_recurrent`)."""
     from transformers import AutoConfig
 
     _quiet_transformers()
     model_type(model_dir)  # a clear error for a broken config.json
     try:
-        return AutoConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise UnisonError(f"cannot read the model config in '{model_dir}' ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:100]}): pass a Hugging Face model directory") from e
+    check_not_recurrent(config, model_dir)
+    return config
 
 
 def save_model_dir(model, tokenizer, final: Path, state_dict: dict | None = None) -> Path:
