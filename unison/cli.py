@@ -69,9 +69,9 @@ def _add_probe(sub) -> None:
                    help="also run each precision in exact mode (native engine; docs/exact.md): the engine and "
                         "the learner share one forward, so the mismatch should be exactly 0")
     p.add_argument("--quantization", default="none",
-                   help="comma-separated rollout weight formats: none, fp8, int8, int4 (weight-only, per output "
-                        "channel; int4 in groups of --quant-group-size); one arm per precision and format against "
-                        "the same learner (default: none)")
+                   help="comma-separated rollout formats: none, fp8, int8 (per output channel), int4 (groups of "
+                        "--quant-group-size), mxfp8, mxfp4, nvfp4 (block-scaled), w8a8_fp8, w8a8_int8 (activations "
+                        "per token too); one arm per precision and format against the same learner (default: none)")
     p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale (default: 64)")
     p.add_argument("--quantization-aware", action="store_true",
                    help="also score every quantized arm with a quantization-aware learner (train.quantization_aware: "
@@ -291,8 +291,8 @@ def _add_sanity(sub) -> None:
                         "fp16,bf16,fp32,bf16-exact (default: fp16,bf16,fp32)")
     p.add_argument("--algorithms", default="grpo", help="comma-separated presets (default: grpo)")
     p.add_argument("--quantization", default="none",
-                   help="comma-separated rollout weight formats (none, fp8, int8, int4): one arm per precision x "
-                        "format x algorithm (default: none)")
+                   help="comma-separated rollout formats (as unison probe's --quantization): one arm per "
+                        "precision x format x algorithm (default: none)")
     p.add_argument("--seeds", default=None,
                    help="comma-separated RL seeds: one arm per precision x algorithm x seed, sharing the SFT "
                         "model and the filtered set (default: the config's seed, one arm each)")

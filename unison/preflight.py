@@ -130,6 +130,10 @@ def _check_exact_settings(cfg: Config) -> None:
         raise UnisonError("exact mode runs in one process: launch without torchrun, or set exact=false")
     if cfg.lora.rank:
         raise UnisonError("exact mode does not take LoRA adapters yet: set lora.rank=0 or exact=false")
+    if cfg.rollout.quantization.startswith("w8a8"):
+        raise UnisonError(f"exact mode shares one forward of the weights between the engine and the learner, and "
+                          f"rollout.quantization {cfg.rollout.quantization} quantizes activations too, which it does "
+                          f"not run: use {cfg.rollout.quantization[5:]} (weight-only) or exact=false")
     if cfg.rollout.quantization != "none" and not cfg.train.quantization_aware:
         raise UnisonError(f"exact mode needs the engine to hold the learner's weights, and "
                           f"rollout.quantization is '{cfg.rollout.quantization}': set train.quantization_aware=true "

@@ -36,7 +36,7 @@ from unison.models import model_shell
 from unison.policy import ScoringOptions
 from unison.precision import Precision, parse_precision
 from unison.preflight import check_device
-from unison.quant import check_format_available, parse_quantization
+from unison.quant import FORMATS, check_format_available, parse_quantization
 from unison.quant import check_targets
 from unison.retokenize import retokenize_metrics
 from unison.rollout import SamplingParams, check_engine_available, generate, make_engine, parse_engine
@@ -171,7 +171,7 @@ def _check_options(cfg: ProbeConfig) -> tuple[list[str], list[str], list[str]]:
     engines = [parse_engine(e) for e in cfg.engines]
     quantizations = [parse_quantization(q) for q in cfg.quantizations]
     if not quantizations:
-        raise UnisonError("--quantization is empty: name at least one of none, fp8, int8, int4")
+        raise UnisonError(f"--quantization is empty: name at least one of {', '.join(FORMATS)}")
     for q in quantizations:
         check_format_available(q)
         if q != "none" and engines != ["native"]:

@@ -25,6 +25,11 @@ compute dtype stays ``rollout_precision``. Formats (all symmetric, no zero point
 
 The block formats fix their block size (32, 32, 16): ``rollout.quant_group_size`` is int4's.
 
+* ``w8a8_fp8`` / ``w8a8_int8``: the weights as ``fp8`` / ``int8`` (per output channel) and every quantized linear
+  layer's *input* quantized too, per token and dynamically — s = max|x_token| / 448 (e4m3) or / 127 (int8,
+  round-to-nearest-even), x ↦ Q(x / s) · s — what W8A8 kernels (vLLM's fp8 and int8 "dynamic per-token") compute.
+  Linear layers only (a model whose experts are 3-D tensors is refused), not in exact mode.
+
 Dequantization is ``codes · s`` in fp32, rounded to the compute dtype: the weights a W8A16 /
 W4A16 kernel multiplies by. Which weights: every linear weight inside the decoder layers
 (``nn.Linear``, GPT-2's ``Conv1D``, MoE experts stored as 3-D tensors); embeddings, the
@@ -48,7 +53,7 @@ from unison.algorithms.losses import SELF_CORRECTING
 from unison.distributed import decoder_layers
 from unison.errors import UnisonError
 
-FORMATS = ("none", "fp8", "int8", "int4", "mxfp8", "mxfp4", "nvfp4")
+FORMATS = ("none", "fp8", "int8", "int4", "mxfp8", "mxfp4", "nvfp4", "w8a8_fp8", "w8a8_int8")
 #: int4: input columns per scale (``rollout.quant_group_size``)
 DEFAULT_GROUP = 64
 _QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0, "mxfp8": 448.0, "mxfp4": 6.0, "nvfp4": 6.0}
@@ -58,6 +63,44 @@ BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
 _EMAX = {"mxfp8": 8, "mxfp4": 2}
 #: every e2m1 value ≥ 0; the index's parity is the mantissa bit (ties round to the even index)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+#: W8A8: the weight format under each (the activations are quantized per token in the same element format)
+W8A8 = {"w8a8_fp8": "fp8", "w8a8_int8": "int8"}
+
+
+def weight_format(fmt: str) -> str:
+    """The format the weights are held in (a W8A8 format's weights: fp8 / int8 per output channel)."""
+    return W8A8.get(fmt, fmt)
+
+
+def quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` quantized per token (its last dimension) with a dynamic scale max|x| / qmax in ``W8A8[fmt]``'s element
+    format, dequantized in fp32 and returned in ``x``'s dtype. A token of zeros stays zeros."""
+    elem = W8A8[fmt]
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / _QMAX[elem], torch.ones_like(amax))
+    y = xf / scale
+    y = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() if elem == "fp8" else torch.round(y).clamp(-127, 127)
+    return (y * scale).to(x.dtype)
+
+
+class _StraightThroughActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt):
+        return quantize_activation(x, fmt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def activation_quantizer(fmt: str):
+    """The function a W8A8 format applies to every quantized layer's input (straight-through gradient), or None."""
+    if fmt not in W8A8:
+        return None
+    return lambda x: _StraightThroughActivation.apply(x, fmt)
 
 
 def group_of(fmt: str, group_size: int) -> int | None:
@@ -88,8 +131,8 @@ def parse_quantization(name: str) -> str:
 
 
 def check_format_available(fmt: str) -> None:
-    """fp8 and the e4m3-based block formats need torch's float8 dtypes (torch ≥ 2.1)."""
-    if fmt in ("fp8", "mxfp8", "nvfp4") and not hasattr(torch, "float8_e4m3fn"):
+    """fp8 and the e4m3-based formats need torch's float8 dtypes (torch ≥ 2.1)."""
+    if fmt in ("fp8", "mxfp8", "nvfp4", "w8a8_fp8") and not hasattr(torch, "float8_e4m3fn"):
         raise UnisonError(f"rollout.quantization {fmt} needs a torch with float8 dtypes (this is {torch.__version__}): "
                           f"upgrade torch (≥ 2.1), or use int8, int4 or mxfp4")
 
@@ -134,7 +177,8 @@ class Quantized:
 def quantize(w: torch.Tensor, fmt: str, in_dim: int = -1, group_size: int = DEFAULT_GROUP) -> Quantized:
     """Quantize ``w`` (any shape; ``in_dim`` is its input dimension) in fp32, per output channel
     (int4: per group of ``group_size`` input columns; the block formats per block of ``BLOCK[fmt]``).
-    A channel (group, block) of zeros gets scale 1."""
+    A channel (group, block) of zeros gets scale 1. A W8A8 format's weights: its weight format's."""
+    fmt = weight_format(fmt)
     if fmt not in _QMAX:
         raise UnisonError(f"unknown quantization '{fmt}': choose one of {', '.join(FORMATS)}")
     check_format_available(fmt)
@@ -210,6 +254,8 @@ class QuantizationAware:
 
     def __init__(self, model: torch.nn.Module, fmt: str, group_size: int = DEFAULT_GROUP):
         self.fmt, self.group_size, self.enabled = fmt, group_size, True
+        #: W8A8: each quantized layer's input quantized per token (straight through), as the engine's kernels do
+        self.act = activation_quantizer(fmt)
         lora_layers = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
         inside_lora = {id(x) for m in lora_layers.values() for x in m.modules()}
         modules = dict(model.named_modules())
@@ -223,7 +269,7 @@ class QuantizationAware:
         kept = [t for t in found if t.name.rsplit(".", 1)[0] in owners]
         kept += [Target(f"{n}.base_layer.weight", 0 if getattr(m, "fan_in_fan_out", False) else -1)
                  for n, m in lora_layers.items()]
-        check_targets(model, fmt, group_size, kept)
+        check_targets(model, fmt, group_size, kept, params=dict(model.named_parameters()))
         #: (module name, parameter name, input dim) of every weight quantized on its own
         self.params = [(m, p, d) for m, ps in owners.items() for p, d in ps]
         #: the LoRA layers whose merged weight is quantized
@@ -248,6 +294,8 @@ class QuantizationAware:
                 saved.append((pname, w))
                 mod._parameters[pname] = straight_through(w, self.fmt, in_dim, self.group_size)
             self._saved[id(mod)] = saved
+            if self.act is not None and args:
+                return (self.act(args[0]), *args[1:])
         return hook
 
     def _post(self, mod, args, output):
@@ -273,7 +321,8 @@ class QuantizationAware:
                     merged = base.weight + lora.delta(layer)
             q = straight_through(merged, self.fmt, 0 if conv1d else -1, self.group_size)
             q = q.t() if conv1d else q  # in the input's dtype: parameters cast to bf16/fp16 (FSDP2's, the probe's
-            return F.linear(x, q.to(x.dtype), base.bias)  # --param-dtype compute) meet an fp32 merge here
+            x = self.act(x) if self.act is not None else x  # --param-dtype compute) meet an fp32 merge here
+            return F.linear(x, q.to(x.dtype), base.bias)
         return forward
 
     @contextmanager
@@ -337,16 +386,24 @@ def _linear_layout(name: str, shape, hidden: int) -> bool:
     return shape[-1] == hidden if "down" not in name else shape[-2] == hidden
 
 
-def check_targets(model: torch.nn.Module, fmt: str, group_size: int, found: list[Target] | None = None) -> list[Target]:
+def check_targets(model: torch.nn.Module, fmt: str, group_size: int, found: list[Target] | None = None,
+                  params: dict | None = None) -> list[Target]:
     """The model's targets (or ``found``), refusing in one line a format the model or this torch cannot take."""
     check_format_available(fmt)
     found = targets(model) if found is None else found
     if not found:
         raise UnisonError(f"rollout.quantization {fmt}: found no linear weights inside the decoder layers of "
                           f"{type(model).__name__}: set rollout.quantization=none for this model")
+    if fmt in W8A8:
+        params = dict(model.named_parameters()) if params is None else params
+        experts = [t.name for t in found if params[t.name].dim() != 2]
+        if experts:
+            raise UnisonError(f"rollout.quantization {fmt} quantizes the inputs of linear layers, and "
+                              f"'{experts[0]}' is a {params[experts[0]].dim()}-D expert tensor: use "
+                              f"{W8A8[fmt]} (weight-only) for this model")
     g = group_of(fmt, group_size)
     if g is not None:
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters()) if params is None else params
         for t in found:
             n_in = params[t.name].shape[t.in_dim]
             if n_in % g:
@@ -366,7 +423,9 @@ MEASURED_K3 = {"fp8": "1.4e-2 on the built-in tiny model and 2.2e-2 on SmolLM2-1
                "int4": "0.213 on the built-in tiny model and 0.757 on SmolLM2-135M",
                "mxfp8": "2.1e-2 on the built-in tiny model (not yet measured on SmolLM2-135M)",
                "mxfp4": "0.225 on the built-in tiny model (not yet measured on SmolLM2-135M)",
-               "nvfp4": "0.159 on the built-in tiny model (not yet measured on SmolLM2-135M)"}
+               "nvfp4": "0.159 on the built-in tiny model (not yet measured on SmolLM2-135M)",
+               "w8a8_fp8": "2.7e-2 on the built-in tiny model (not yet measured on SmolLM2-135M)",
+               "w8a8_int8": "2.3e-3 on the built-in tiny model (not yet measured on SmolLM2-135M)"}
 #: what unison's own experiment found (docs/experiments/quantized_rollout.md)
 MEASURED_EFFECT = {"int4": "; in unison's experiment uncorrected GRPO fell from 0.81 to 0.58 training accuracy at int4"}
 

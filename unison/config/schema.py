@@ -118,9 +118,12 @@ class RolloutConfig(_Section):
     #: the rollout engine's weight format (unison/quant.py; **contract** key): none | fp8 (e4m3, per
     #: output channel) | int8 (per output channel) | int4 (symmetric groups of quant_group_size input
     #: columns) | mxfp8, mxfp4 (OCP MX: blocks of 32, power-of-two e8m0 scales, e4m3 / e2m1 elements) |
-    #: nvfp4 (blocks of 16, e2m1 elements, e4m3 block scales under a per-tensor fp32 scale). Weight-only, re-quantized from the learner's fp32 masters at every sync; embeddings,
-    #: lm_head, norms and MoE routers stay in rollout_precision, the compute dtype. The learner trains fp32.
-    quantization: Literal["none", "fp8", "int8", "int4", "mxfp8", "mxfp4", "nvfp4"] = "none"
+    #: nvfp4 (blocks of 16, e2m1 elements, e4m3 block scales under a per-tensor fp32 scale) | w8a8_fp8,
+    #: w8a8_int8 (fp8 / int8 weights per channel and each quantized layer's input per token, dynamic).
+    #: Weights re-quantized from the learner's fp32 masters at every sync; embeddings, lm_head, norms and
+    #: MoE routers stay in rollout_precision, the compute dtype. The learner trains fp32.
+    quantization: Literal["none", "fp8", "int8", "int4", "mxfp8", "mxfp4", "nvfp4",
+                          "w8a8_fp8", "w8a8_int8"] = "none"
     #: int4: input columns sharing one scale (must divide every quantized weight's input dimension)
     quant_group_size: int = Field(64, ge=1)
     #: asynchronous off-policy RL (docs/async.md; **contract** key): the engine generates up to K batches

@@ -77,12 +77,14 @@ def _bias(linear) -> torch.Tensor | None:
 
 
 def layer_forward(layer, w: tuple, packed: bool, rope, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, start: int, act=None) -> torch.Tensor:
     """One decoder layer: ``h`` [b, s, d] at cache positions ``start`` … ``start + s − 1`` (K/V written there),
     attending over the cache up to them under ``mask`` [b, 1, s, keys]; ``w`` one entry of
-    :attr:`FastWeights.layers`; ``rope`` the model's ``apply_rotary_pos_emb``."""
+    :attr:`FastWeights.layers`; ``rope`` the model's ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
+    product's input (q/k/v and gate/up share theirs, as the modules' separate products of one input would)."""
     qkv_w, qkv_b, qkv_n, o_w, o_b, gu_w, gu_b, gu_n, down_w, down_b = w
-    lin = gemm.packed_linear if packed else F.linear
+    base = gemm.packed_linear if packed else F.linear
+    lin = base if act is None else (lambda x, w_, b_: base(act(x), w_, b_))
     attn, mlp = layer.self_attn, layer.mlp
     b, s, _ = h.shape
     end = start + s
@@ -146,7 +148,9 @@ class Kernels:
         #: seconds the first calls took to compile (:meth:`warm_up`)
         self.compile_s = 0.0
 
-    def layer(self, *args) -> torch.Tensor:
+    def layer(self, *args, act=None) -> torch.Tensor:
+        if act is not None:  # W8A8: eagerly (the engine does not compile then)
+            return layer_forward(*args, act=act)
         h = args[4]
         return (self._fn if h.shape[0] > 1 else layer_forward)(*args)
 

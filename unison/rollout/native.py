@@ -32,7 +32,7 @@ from unison.distributed import current
 from unison.errors import UnisonError
 from unison.exact import ExactForward, full_allowed
 from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
-from unison.quant import check_targets, fake_quantize
+from unison.quant import activation_quantizer, check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 from unison.rollout.base import support_logsumexp
 from unison.rollout.decode import FastWeights, Kernels
@@ -67,7 +67,10 @@ class NativeEngine:
         #: the fast path's matrices (fused; pre-packed where the engine's fp32 products are oneDNN's) and how its
         #: layers run (eagerly, or compiled: ``compile``); unison/rollout/decode.py
         self.fast: FastWeights | None = None
-        self.kernels = Kernels(compile and self.path == "fast" and not exact)
+        #: W8A8 (rollout.quantization w8a8_*): every quantized layer's input quantized per token (unison/quant.py);
+        #: the fast path runs it eagerly, the generic path through forward pre-hooks on those layers
+        self.act_quant = activation_quantizer(quantization)
+        self.kernels = Kernels(compile and self.path == "fast" and not exact and self.act_quant is None)
         if self.path == "fast":
             self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
             packed = (gemm.engine_choice() == "onednn" and dtype == torch.float32 and self.device.type == "cpu"
@@ -89,6 +92,11 @@ class NativeEngine:
             self._quant = {t.name: t.in_dim for t in check_targets(self.model, quantization, quant_group_size)}
             self.load_weights(masters.items())
             del masters
+        if self.act_quant is not None and self.path != "fast":
+            modules = dict(self.model.named_modules())
+            act = self.act_quant
+            for owner in sorted({name.rsplit(".", 1)[0] for name in self._quant}):
+                modules[owner].register_forward_pre_hook(lambda mod, args: (act(args[0]), *args[1:]))
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -384,7 +392,7 @@ class _FastBackend(_CacheBackend):
         cos, sin = core.rotary_emb(h, pos)
         fast, rope, packed = eng.fast, eng._rope, eng.fast.packed
         for layer, (kc, vc), w in zip(core.layers, self.cache, fast.layers):
-            h = eng.kernels.layer(layer, w, packed, rope, h, kc, vc, cos, sin, mask, start)
+            h = eng.kernels.layer(layer, w, packed, rope, h, kc, vc, cos, sin, mask, start, act=eng.act_quant)
         if want is not None:
             return core.norm(h[want])
         return fast.logits(core.norm(h[:, -1]))
