@@ -194,7 +194,7 @@ def main() -> None:
             lines.append("| " + " | ".join(fmt(s[k], f) for _, k, f in cols) + " |")
         per_arm[arm] = sums
     lines += ["", "## Per arm (mean over seeds)", "",
-              "| arm | seeds | acc last 10 | best 10-step acc | mean k3 | seq KL (Σk3) | len last 10 | collapsed runs |",
+              "| arm | seeds | acc last 10 | best 10-step acc | mean k3 | seq KL (Σk3) | len last 10 | collapsed (10-step mean < ½ of its best, a best ≥ 0.3) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, sums in per_arm.items():
         accs = [s["acc_final"] for s in sums]

@@ -58,7 +58,7 @@ def main() -> None:
     clean = sys.argv[3] if len(sys.argv) > 3 else "clean-lr1e-5"
     broken = sys.argv[4] if len(sys.argv) > 4 else "k4-lr1e-5"
     subprocess.run([sys.executable, str(HERE.parent / "analyze.py"), str(runs), str(out_md), "--title",
-                    "SmolLM2-135M: stale samples, their cures, and Paper A's precisions", "--intro",
+                    "SmolLM2-135M: samples K versions old, and their cures", "--intro",
                     str(HERE / "intro_stale.md"), "--extra-cols", "lr"], check=True)
     arms = by_arm(runs)
     lines = [f"## Against the clean run (`{clean}`) and the broken one (`{broken}`), seed by seed", "",
