@@ -220,6 +220,62 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
     assert main(args) == 0  # everything reused
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_demos_workers_die_with_it(tmp_path, sft_model):
+    """`unison demo` sent SIGTERM alone (not its process group, as `kill PID` does) or SIGKILLed: its pool's
+    worker processes, each running an arm, end with it instead of running on as orphans (they did)."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "d"
+    for part in ("precision", "collapse"):
+        shutil.copytree(sft_model, out / part / "sft" / "model")
+    cmd = [sys.executable, "-m", "unison", "demo", "--out", str(out), "--precisions", "fp32", "--k", "4",
+           "--max-prompts", "8", "--collapse-prompts", "8", "--seeds", "0", "--workers", "2", "--regime", "int4",
+           "--set", "train.steps=400", "--set", "train.prompts_per_step=4", "--set", "rollout.n=4",
+           "--set", "checkpoint.every=0", "--set", "task.name=arithmetic", "--set", "train.mini_batches=1"]
+    cmd += [x for kv in TASK for x in ("--set", kv)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any((out / "collapse" / "arms").glob("*/metrics.jsonl")):
+            time.sleep(0.5)  # the workers are running arms
+        workers = _children(proc.pid)
+        assert len(workers) >= 2, workers
+        os.kill(proc.pid, signal.SIGTERM)  # the demo alone
+        proc.wait(timeout=30)
+        deadline = time.time() + 30
+        while time.time() < deadline and any(os.path.exists(f"/proc/{w}") for w in workers):
+            time.sleep(0.2)
+        left = [w for w in workers if os.path.exists(f"/proc/{w}")]
+        assert not left, f"workers {left} outlived the demo"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def arms_dir(out):
     return out / "collapse" / "arms"
 

@@ -41,6 +41,7 @@ from unison.ledger import TERMS
 from unison.plots import demo_plot, ledger_plot
 from unison.report import markdown_table
 from unison.report import summarize
+from unison.runtime import die_with_parent
 from unison.sanity import run_sanity
 from unison.sanity import warm_start
 
@@ -263,7 +264,9 @@ def _run_all(jobs: list[dict], workers: int) -> list[list[str]]:
     order; one process when ``workers`` is 1. A failure ends the demo with the failing run's error."""
     if workers <= 1:
         return [_arm(j) for j in jobs]
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+    # the workers die with the demo, even one SIGKILLed or sent SIGTERM alone (not its process group)
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         futures = [pool.submit(_arm, j) for j in jobs]
         try:
             return [f.result() for f in futures]

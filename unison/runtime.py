@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,3 +107,15 @@ def setup(threads_setting, gemm_setting, model_dir, device: str = "cpu", world_s
                    vocab=sizes.vocab, log=log)
     return Runtime(t, g, sizes)
 
+
+def die_with_parent(parent: int) -> None:  # pragma: no cover - subprocess
+    """In a child process: the kernel SIGKILLs it when the thread that started it exits (Linux
+    ``PR_SET_PDEATHSIG``), so a parent killed by a signal it cannot handle leaves no worker behind; it exits at
+    once if ``parent`` is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(0)

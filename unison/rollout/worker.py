@@ -203,20 +203,6 @@ class _Outbox:
 
 
 # ------------------------------------------------------------------ the worker process
-def _die_with_parent(parent: int) -> None:  # pragma: no cover - subprocess
-    """The kernel SIGKILLs this process when the thread that started it exits (Linux); elsewhere the
-    command pipe's end-of-file and the parent check between jobs end it."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        os._exit(0)
-
-
 def _serve_commands(fd: int, inbox: queue.Queue) -> None:  # pragma: no cover - subprocess
     """Read commands as they come (the parent never blocks on a full pipe); ``stop``, or the end of the
     pipe (the parent closed it or died, even mid-command), ends the process at once."""
@@ -251,7 +237,7 @@ def _load(engine, ring: WeightRing, version: int | None, loaded: int) -> int:  #
 
 def _worker_main(spec: WorkerSpec, ring: WeightRing, cmds, results, parent: int) -> None:  # pragma: no cover - subprocess
     """The worker process: build the engine, then serve commands until told to stop."""
-    _die_with_parent(parent)
+    runtime.die_with_parent(parent)  # elsewhere than Linux: the command pipe's end and the parent check end it
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C and SIGTERM to the process group are the
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # trainer's to handle: it saves, then stops us
     torch.set_num_threads(spec.threads)
