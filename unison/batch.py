@@ -17,7 +17,8 @@ alignment everywhere removes the classic off-by-one of shifted logits.
 Later stages fill ``logp_old`` (the learner's score pass), ``rewards``,
 ``advantages`` and correction ``weights``. ``extras`` holds what some runs have: ``routing`` (MoE:
 the engine's expert choices, [B, L, layers, k]) and ``support`` (top-p / top-k: the size of the
-support each response token was sampled from, [B, L], 0 = the whole vocabulary).
+support each response token was sampled from, [B, L], 0 = the whole vocabulary) and ``kv_scale`` (a quantized KV
+cache: the scales each row's cache held, [B, layers, 2, KV heads]).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class Completion:
     #: top-p / top-k sampling: the size c of the support each token was drawn from (its c most probable
     #: tokens; 0 = the whole vocabulary), for sampling-mask replay; None when the engine did not record it
     support: list[int] | None = None
+    #: a quantized KV cache (rollout.kv_cache_dtype): the scales the engine's cache held this response's keys and
+    #: values under, [layers, 2, KV heads] (unison/kvcache.py); None without one
+    kv_scale: torch.Tensor | None = None
     #: multi-turn episodes (unison/tasks/env.py): 1 where ``token_ids[i]`` was sampled by the model,
     #: 0 where the environment or a tool put it there (log μ is 0 there and nothing scores it);
     #: None = every token was sampled (a single-turn response)
@@ -215,6 +219,10 @@ def collate(completions: list[Completion], pad_id: int, layout: tuple[int, int] 
                 s = (0 if layout is None else layout[0] - len(c.prompt_ids)) + len(c.prompt_ids)
                 support[i, s:s + len(c.support)] = torch.tensor(c.support, dtype=torch.int64)
         extras["support"] = support
+    if any(c.kv_scale is not None for c in completions):  # [B, layers, 2, KV heads]
+        if any(c.kv_scale is None for c in completions):
+            raise ValueError("some completions carry KV-cache scales and some do not: one engine samples a batch")
+        extras["kv_scale"] = torch.stack([c.kv_scale.float() for c in completions])
     first = torch.tensor([c.version for c in completions], dtype=torch.int64)
     token_version = None
     if any(c.token_versions is not None for c in completions):

@@ -73,9 +73,15 @@ def _add_probe(sub) -> None:
                         "--quant-group-size), mxfp8, mxfp4, nvfp4 (block-scaled), w8a8_fp8, w8a8_int8 (activations "
                         "per token too); one arm per precision and format against the same learner (default: none)")
     p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale (default: 64)")
+    p.add_argument("--kv-cache", default="auto",
+                   help="comma-separated KV-cache formats of the native engine: auto (the compute dtype), fp8_e4m3, "
+                        "fp8_e5m2; one arm each (docs/quantized-rollout.md; default: auto)")
+    p.add_argument("--kv-cache-scales", default="sync", choices=["sync", "one"],
+                   help="a quantized cache's scales: sync (measured from the arm's prompts, per layer and KV head) "
+                        "or one (default: sync)")
     p.add_argument("--quantization-aware", action="store_true",
                    help="also score every quantized arm with a quantization-aware learner (train.quantization_aware: "
-                        "the learner computes through the rollout's quantizer); with --exact, exact quantized arms too")
+                        "the learner computes through the rollout's quantizer); with --exact, exact quantized arms too; with --kv-cache, the learner replaying the cache: train.kv_cache_aware")
     p.add_argument("--top-p", default="1.0",
                    help="comma-separated top-p values to sample with (1.0 = off), one arm each; truncated arms are "
                         "scored without and with sampling-mask replay (default: 1.0)")
@@ -119,7 +125,8 @@ def cmd_probe(args) -> int:
                       temperature=args.temperature, seed=args.seed, device=args.device,
                       param_dtypes=_csv(args.param_dtype), exact=args.exact,
                       quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
-                      quantization_aware=args.quantization_aware, top_ps=_numbers(args.top_p, float, "--top-p"),
+                      quantization_aware=args.quantization_aware, kv_caches=_csv(args.kv_cache),
+                      kv_cache_scales=args.kv_cache_scales, top_ps=_numbers(args.top_p, float, "--top-p"),
                       top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger, task=args.task,
                       locate=args.locate, locate_rows=args.locate_rows, compiles=_csv(args.compile),
                       lora_ranks=_numbers(args.lora_rank, int, "--lora-rank"))

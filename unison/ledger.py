@@ -9,6 +9,8 @@ own log μ and ends at the learner's log π_old, changing one thing at a time:
                                                                  version, quantizer, support and routing
       -> without the quantizer                     quantization: the rollout's weight format (absent when
                                                                  the learner is quantization-aware)
+      -> without the quantized KV cache            kv_cache:     the keys and values the engine's fp8 cache rounded
+                                                                 (absent when the learner is KV-cache-aware)
       -> over the whole vocabulary                 truncation:   the log-mass outside the top-p/top-k support
                                                                  (absent with sampling-mask replay)
       -> with the learner's own routing            routing:      MoE expert choices (absent with routing replay)
@@ -47,7 +49,7 @@ from unison.rollout.native import NativeEngine
 from unison.sides import KNOBS, Side
 from unison.sync import stale_tensors
 
-TERMS = ("decode", "engine", "quantization", "truncation", "routing", "compile", "staleness", "merge")
+TERMS = ("decode", "engine", "quantization", "kv_cache", "truncation", "routing", "compile", "staleness", "merge")
 
 #: the stale-engine rule (docs/ledger.md, measured): a decode term whose k3 exceeds this absolute level **and**
 #: this multiple of the engine term is not a kernel difference. On the tiny model the decode path differs from

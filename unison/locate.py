@@ -183,8 +183,8 @@ def locate(engine, scorer, batch, temperature: float, dtype: torch.dtype) -> dic
 
 
 def arm_label(r: dict) -> str:
-    q = r.get("quantization", "none")
-    return f"{r['engine']}/{r['precision']}" + ("" if q == "none" else f"/{q}")
+    q, kv = r.get("quantization", "none"), r.get("kv_cache", "auto")
+    return f"{r['engine']}/{r['precision']}" + ("" if q == "none" else f"/{q}") + ("" if kv == "auto" else f"/KV {kv}")
 
 
 def summary_ops(ops: list[str]) -> list[str]:

@@ -231,7 +231,7 @@ class PolicyForward(torch.nn.Module):
         packed = contextlib.nullcontext()
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
-            if attention_mask is None and self.lm.config._attn_implementation == PACKED_ATTENTION:
+            if attention_mask is None and self.lm.config._attn_implementation.endswith(PACKED_ATTENTION):
                 kwargs.update(packed_kwargs(position_ids))  # one causal attention per sequence
                 packed = packed_forward()
         with packed:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from unison import kvcache
 from unison import lora
 from unison import lora as adapters
 from unison import moe
@@ -163,6 +164,8 @@ class Scorer:
         active = self.quantizer(side.quantization, side.group_size) if side.quantization != "none" else None
         for q in self._quantizers.values():
             q.enabled = q is active
+        if side.kv_cache != "auto":  # the attention that replays a quantized cache (a no-op outside the replay)
+            kvcache.wrap_attention(self.model)
         if side.compiled != self.side.compiled or (side.compiled and not _is_compiled(self.model)):
             for layer in decoder_layers(self.model):
                 if side.compiled and getattr(layer, "_unison_compiled", None) is None:
@@ -199,9 +202,12 @@ class Scorer:
         resp = batch.response_mask[rows, :W][keep][None]
         support = self._support(batch, rows, W)
         dt, cast = self._numerics()
-        lp, ent = token_logprobs(self.forward_module, tokens, None, self.temperature, dt, self.device,
-                                 return_entropy=True, positions=resp, chunk=self.options.logprob_chunk, cast_to=cast,
-                                 position_ids=pos, support=support[keep][None] if support is not None else None)
+        segments = torch.arange(len(rows))[:, None].expand(-1, W)[keep]  # the row of each packed position
+        with self._kv_replay(batch, rows, segments):
+            lp, ent = token_logprobs(self.forward_module, tokens, None, self.temperature, dt, self.device,
+                                     return_entropy=True, positions=resp, chunk=self.options.logprob_chunk,
+                                     cast_to=cast, position_ids=pos,
+                                     support=support[keep][None] if support is not None else None)
         keep = keep.to(lp.device)
         out = torch.zeros((len(rows), W), dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp[0])
         if not return_entropy:
@@ -214,6 +220,16 @@ class Scorer:
         if not self.side.support_replay or "support" not in batch.extras:
             return None
         return batch.extras["support"][rows, :W]
+
+    def _kv_replay(self, batch: RolloutBatch, rows: torch.Tensor, segments: torch.Tensor | None = None):
+        """The engine's quantized KV cache replayed for ``rows`` (the side's ``kv_cache``; unison/kvcache.py), or
+        nothing."""
+        if self.side.kv_cache == "auto":
+            return contextlib.nullcontext()
+        if "kv_scale" not in batch.extras:
+            raise UnisonError(f"the learner replays a {self.side.kv_cache} KV cache, and this batch's rows carry no "
+                              f"scales: sample it with the native engine at rollout.kv_cache_dtype={self.side.kv_cache}")
+        return kvcache.replay(self.side.kv_cache, batch.extras["kv_scale"][rows], segments)
 
     def _width(self, batch: RolloutBatch, rows: torch.Tensor) -> int:
         """The columns a micro-batch needs: its own longest row (right-padded layout), or the whole
@@ -245,9 +261,11 @@ class Scorer:
                   support=self._support(batch, rows, W), teacher=teacher)
         dt, kw["cast_to"] = self._numerics()
         if not self.moe:
-            return token_logprobs(self.forward_module, *args, dt, self.device, **kw)
+            with self._kv_replay(batch, rows):
+                return token_logprobs(self.forward_module, *args, dt, self.device, **kw)
         calls: list[torch.Tensor] = []
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self._kv_replay(batch, rows))
             stack.enter_context(moe.record(self.model, calls))  # before replay: sees the learner's own choice
             if self.routing_replay and "routing" in batch.extras:
                 stack.enter_context(moe.replay(self.model, moe.replay_indices(batch.extras["routing"][rows, :W])))

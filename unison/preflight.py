@@ -18,7 +18,7 @@ from unison.data_io import read_metrics
 from unison.distributed import under_torchrun
 from unison.errors import UnisonError
 from unison.exact import check_supported
-from unison.models import model_config
+from unison.models import decode_path, model_config
 from unison.precision import Precision
 from unison.tasks.env import is_multi_turn
 from unison.tasks.env import tokens_after_prompt
@@ -70,6 +70,7 @@ def check_settings(cfg: Config) -> None:
         _check_exact_settings(cfg)
     _check_async_settings(cfg)
     _check_distill_settings(cfg)
+    _check_kv_cache_settings(cfg)
     if cfg.mismatch.ledger == "on":
         _check_ledger_settings(cfg)
     budget = cfg.train.mismatch_budget.metric or ("mismatch/staleness_k3" if cfg.rollout.max_staleness else None)
@@ -94,6 +95,26 @@ def check_settings(cfg: Config) -> None:
         raise UnisonError(f"rollout.replay_sampling_mask needs the support each token was sampled from, which "
                           f"engine '{cfg.engine}' does not return to unison: set rollout.replay_sampling_mask=false "
                           f"(π/μ then carries the log of the top-p/top-k kept mass), or engine=native")
+
+
+def _check_kv_cache_settings(cfg: Config) -> None:
+    """A quantized KV cache (unison/kvcache.py): the native engine outside exact mode; its replay needs one."""
+    kv, t = cfg.rollout.kv_cache_dtype, cfg.train
+    if kv == "auto":
+        if t.kv_cache_aware:
+            raise UnisonError("train.kv_cache_aware replays a quantized KV cache, and rollout.kv_cache_dtype is 'auto' "
+                              "(none): set rollout.kv_cache_dtype=fp8_e4m3 or fp8_e5m2, or train.kv_cache_aware=false")
+        return
+    if cfg.engine != "native":
+        raise UnisonError(f"rollout.kv_cache_dtype={kv} is the native engine's cache (vLLM's own fp8 cache does not "
+                          f"give unison the scales it used, so the learner could not replay it): set engine=native, "
+                          f"or rollout.kv_cache_dtype=auto and vLLM's own kv_cache_dtype")
+    if cfg.exact:
+        raise UnisonError("exact mode shares one forward between the engine and the learner, which does not quantize "
+                          "its cache: set rollout.kv_cache_dtype=auto or exact=false")
+    if t.kv_cache_aware and t.activation_checkpointing:
+        raise UnisonError("train.kv_cache_aware quantizes the keys and values in the forward, which "
+                          "train.activation_checkpointing's recompute in the backward would not: set one of them false")
 
 
 def check_device(device: str, flag: str = "device") -> None:
@@ -217,7 +238,12 @@ def check_data(cfg: Config, task, world_size: int) -> None:
 
 
 def check_context(cfg: Config, model_dir: Path, task, prompt_ids) -> None:
-    limit = getattr(model_config(model_dir), "max_position_embeddings", None)
+    config = model_config(model_dir)
+    if cfg.rollout.kv_cache_dtype != "auto" and decode_path(config) != "fast":
+        raise UnisonError(f"rollout.kv_cache_dtype={cfg.rollout.kv_cache_dtype} quantizes the native engine's own "
+                          f"cache (Llama, Mistral, Qwen2, Qwen3 without a sliding window), and {config.model_type} "
+                          f"decodes through its own forward: set rollout.kv_cache_dtype=auto")
+    limit = getattr(config, "max_position_embeddings", None)
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     need = len(prompt_ids[longest]) + tokens_after_prompt(cfg)
     key = "task.max_episode_tokens" if is_multi_turn(cfg) else "rollout.max_new_tokens"

@@ -68,8 +68,13 @@ class ProbeConfig:
     quantizations: list[str] = field(default_factory=lambda: ["none"])
     #: int4: input columns per scale
     quant_group_size: int = 64
-    #: also score every quantized arm with a quantization-aware learner (train.quantization_aware)
+    #: also score every quantized arm with a quantization-aware learner (train.quantization_aware; with a
+    #: quantized KV cache, train.kv_cache_aware too)
     quantization_aware: bool = False
+    #: the engine's KV-cache formats (unison/kvcache.py: auto, fp8_e4m3, fp8_e5m2): one arm per (…, format)
+    kv_caches: list[str] = field(default_factory=lambda: ["auto"])
+    #: a quantized cache's scales: sync (measured by the arm's batch) or one
+    kv_cache_scales: str = "sync"
     #: top-p values to sample with (1.0 = off): one arm each; truncated arms are scored without and with
     #: sampling-mask replay
     top_ps: list[float] = field(default_factory=lambda: [1.0])
@@ -218,9 +223,18 @@ def _check_options(cfg: ProbeConfig) -> tuple[list[str], list[str], list[str]]:
                           "term), and only the native engine does for unison: use --engine native")
     if cfg.locate and cfg.locate_rows < 1:
         raise UnisonError(f"--locate-rows {cfg.locate_rows}: trace at least 1 response")
-    if cfg.quantization_aware and quantizations == ["none"]:
+    from unison import kvcache
+
+    bad_kv = [k for k in cfg.kv_caches if k not in kvcache.FORMATS] or ([] if cfg.kv_caches else ["(empty)"])
+    if bad_kv or cfg.kv_cache_scales not in kvcache.SCALES:
+        raise UnisonError(f"--kv-cache '{bad_kv[0]}' is invalid: choose among {', '.join(kvcache.FORMATS)}" if bad_kv
+                          else f"--kv-cache-scales '{cfg.kv_cache_scales}': choose sync or one")
+    if cfg.kv_caches != ["auto"] and engines != ["native"]:
+        raise UnisonError("--kv-cache quantizes the native engine's own cache (vLLM's does not give its scales to "
+                          "unison): use --engine native")
+    if cfg.quantization_aware and quantizations == ["none"] and cfg.kv_caches == ["auto"]:
         raise UnisonError("--quantization-aware scores quantized arms through the quantizer: add a format with "
-                          "--quantization fp8, int8 or int4")
+                          "--quantization fp8, int8 or int4, or a cache with --kv-cache fp8_e4m3")
     bad = [p for p in cfg.param_dtypes if p not in ("fp32", "compute")] or ([] if cfg.param_dtypes else ["(empty)"])
     if bad:
         raise UnisonError(f"--param-dtype '{bad[0]}' is invalid: choose fp32, compute or both (fp32,compute)")
@@ -285,6 +299,7 @@ class Arm:
     top_k: int
     compile: str
     lora_rank: int
+    kv_cache: str = "auto"
 
     @property
     def truncated(self) -> bool:
@@ -293,7 +308,8 @@ class Arm:
     @property
     def tags(self) -> tuple[str, str, str]:
         """(weights, sampling, compile/LoRA) parts of the arm's label."""
-        q = "" if self.quantization == "none" else f"/{self.quantization}"
+        q = ("" if self.quantization == "none" else f"/{self.quantization}") + \
+            ("" if self.kv_cache == "auto" else f"/KV {self.kv_cache}")
         t = "".join([f"/top-p {self.top_p:g}" if self.top_p < 1.0 else "", f"/top-k {self.top_k}" if self.top_k else ""])
         c = ("" if self.compile == "off" else f"/compile {self.compile}") + (f"/LoRA r{self.lora_rank}" if self.lora_rank
                                                                              else "")
@@ -305,20 +321,22 @@ class Arm:
 
     def engine_side(self, cfg: ProbeConfig) -> Side:
         return Side(dtype=self.precision.rollout_dtype, quantization=self.quantization,
-                    group_size=cfg.quant_group_size, routing_replay=True, compiled=bool(sides(self.compile)[0]),
+                    group_size=cfg.quant_group_size, kv_cache=self.kv_cache, kv_scales=cfg.kv_cache_scales,
+                    routing_replay=True, compiled=bool(sides(self.compile)[0]),
                     exact=self.exact)
 
     def learner_side(self, cfg: ProbeConfig, params: str = "fp32", quantized: bool = False,
                      replay: bool = False) -> Side:
         return Side(dtype=self.precision.learner_dtype, params=params,
                     quantization=self.quantization if quantized else "none", group_size=cfg.quant_group_size,
+                    kv_cache=self.kv_cache if quantized else "auto", kv_scales=cfg.kv_cache_scales,
                     support_replay=replay, compiled=bool(sides(self.compile)[1]), exact=self.exact)
 
     def variants(self, cfg: ProbeConfig) -> list[tuple[str, bool, bool]]:
         """(parameter dtype, quantization-aware, sampling-mask replay) of each scoring: the parameter dtypes asked
         for (exact mode: the compute dtype, as its engine), with and without the quantizer
         (``--quantization-aware``; exact mode: with it), with and without replay (truncated arms)."""
-        quantized = self.quantization != "none"
+        quantized = self.quantization != "none" or self.kv_cache != "auto"
         return [(pd, qa, rp) for pd in (["compute"] if self.exact else cfg.param_dtypes)
                 for qa in ([True] if self.exact and quantized else
                            [False, True] if cfg.quantization_aware and quantized else [False])
@@ -327,9 +345,9 @@ class Arm:
 
 def probe_arms(cfg: ProbeConfig, inputs: ProbeInputs) -> list[Arm]:
     """Every (engine, precision, weights, sampling, compile, LoRA rank) arm, then the exact arms (``--exact``)."""
-    arms = [Arm(e, Precision.resolve(p), q, False, tp, tk, c, r) for e in inputs.engines for p in inputs.precisions
-            for q in inputs.quantizations for tp in cfg.top_ps for tk in cfg.top_ks for c in cfg.compiles
-            for r in cfg.lora_ranks]
+    arms = [Arm(e, Precision.resolve(p), q, False, tp, tk, c, r, kv) for e in inputs.engines
+            for p in inputs.precisions for q in inputs.quantizations for kv in cfg.kv_caches for tp in cfg.top_ps
+            for tk in cfg.top_ks for c in cfg.compiles for r in cfg.lora_ranks]
     if cfg.exact:
         quants = [q for q in inputs.quantizations if q == "none" or cfg.quantization_aware]
         arms += [Arm("native", Precision.resolve(p), q, True, 1.0, 0, "off", 0) for p in inputs.precisions
@@ -484,7 +502,7 @@ def _score(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, scorer, sampled: Sam
     lengths = batch.response_lens
     prec = arm.precision
     row = {**({"task": cfg.task} if cfg.task else {}), "engine": arm.engine, "precision": prec.label,
-           "quantization": arm.quantization, "param_dtype": pd, "exact": arm.exact, "quantization_aware": qa,
+           "quantization": arm.quantization, "kv_cache": arm.kv_cache, "param_dtype": pd, "exact": arm.exact, "quantization_aware": qa,
            "top_p": arm.top_p, "top_k": arm.top_k, "replay_sampling_mask": replay, "compile": arm.compile,
            "lora_rank": arm.lora_rank, **metrics, "num_responses": batch.size,
            "mean_response_length": float(lengths.float().mean()),

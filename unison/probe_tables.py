@@ -76,7 +76,9 @@ def format_ledger(results: list[dict]):
         s1 = sum(r.get(f"ledger/{t}_k1", 0.0) for t in terms)
         trunc = "/".join(x for x in (f"p {r['top_p']:g}" if r.get("top_p", 1.0) < 1 else "",
                                      f"k {r['top_k']}" if r.get("top_k") else "") if x) or "–"
-        table.add_row(r["engine"], r["precision"], r.get("quantization", "none"), trunc,
+        kv = r.get("kv_cache", "auto")
+        weights = r.get("quantization", "none") + ("" if kv == "auto" else f", KV {kv}")
+        table.add_row(r["engine"], r["precision"], weights, trunc,
                       *([r.get("compile", "off")] if compiled else []), *([str(r.get("lora_rank", 0))] if lora else []),
                       *cells,
                       f"{r['ledger/total_k3']:.3g}", f"{s1:.3g} = {r['ledger/total_k1']:.3g}")
@@ -96,6 +98,8 @@ def format_table(results: list[dict], timings: list[dict] | None = None):
     quantized = any(r.get("quantization", "none") != "none" for r in results)
     if quantized:
         cols.append(("weights", "quantization"))
+    if any(r.get("kv_cache", "auto") != "auto" for r in results):
+        cols.append(("KV cache", "kv_cache"))
     if any(r.get("quantization_aware") for r in results):
         cols.append(("QAT", "quantization_aware"))
     if any(r.get("top_p", 1.0) < 1.0 for r in results):

@@ -7,6 +7,8 @@ Every numerics knob of a run is a field of a Side, decided once at start (``mach
   (``fp32``) or cast to ``dtype`` for the forward (``compute``, FSDP2's mixed precision);
 * ``quantization`` and ``group_size`` — the weight format (``rollout.quantization``; the learner's is the
   engine's under ``train.quantization_aware``, else ``none``);
+* ``kv_cache`` and ``kv_scales`` — the attention cache's format and its scales (``rollout.kv_cache_dtype``,
+  ``rollout.kv_cache_scales``; the learner's is the engine's under ``train.kv_cache_aware``, else ``auto``);
 * ``support_replay`` — log-probs over the support each token was sampled from (the engine's own, always; the
   learner's with ``rollout.replay_sampling_mask``); ``routing_replay`` — MoE experts as the engine chose them
   (the engine's own, always; the learner's with ``moe.routing_replay``);
@@ -27,6 +29,7 @@ import torch
 #: the ledger's knob terms, in the chain's order, and the fields of a Side each one changes
 KNOBS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("quantization", ("quantization", "group_size")),
+    ("kv_cache", ("kv_cache", "kv_scales")),
     ("truncation", ("support_replay",)),
     ("routing", ("routing_replay",)),
     ("compile", ("compiled",)),
@@ -43,6 +46,8 @@ class Side:
     dtype: torch.dtype = torch.float32
     quantization: str = "none"
     group_size: int = 64
+    kv_cache: str = "auto"
+    kv_scales: str = "sync"
     support_replay: bool = True
     routing_replay: bool = False
     compiled: bool = False
@@ -67,7 +72,7 @@ class Side:
 
     def differs(self, other: Side, *, truncated: bool = True, moe: bool = True) -> list[str]:
         """The knob terms of the mismatch ledger from this side (the engine) to ``other`` (the learner), in the
-        chain's order: ``quantization``, ``truncation`` (only where sampling ``truncated`` the support),
+        chain's order: ``quantization``, ``kv_cache``, ``truncation`` (only where sampling ``truncated`` the support),
         ``routing`` (only for a ``moe`` model), ``compile``. The rest — dtype, parameter cast, matmul library — is
         what the ledger's ``engine`` term measures with the kernels."""
         out = []
@@ -88,6 +93,8 @@ class Side:
         parts = [self.precision + (" (parameters cast)" if self.cast_params else "")]
         if self.quantization != "none":
             parts.append(f"{self.quantization}{f' g{self.group_size}' if self.quantization == 'int4' else ''} weights")
+        if self.kv_cache != "auto":
+            parts.append(f"{self.kv_cache} KV cache ({self.kv_scales} scales)")
         if self.exact:
             parts.append("exact")
         if self.compiled:
@@ -105,12 +112,13 @@ def config_sides(cfg, prec, world_size: int = 1, gemm: tuple[str, str] = ("blas"
     (unset: ``compute``, but fp32 under the quantization-aware learner, which quantizes the master FSDP2 gathers)."""
     r, t = cfg.rollout, cfg.train
     engine = Side(dtype=prec.rollout_dtype, quantization=r.quantization, group_size=r.quant_group_size,
-                  support_replay=True, routing_replay=True, compiled=compiled[0], gemm=gemm[0], exact=cfg.exact)
+                  kv_cache=r.kv_cache_dtype, kv_scales=r.kv_cache_scales, support_replay=True, routing_replay=True, compiled=compiled[0], gemm=gemm[0], exact=cfg.exact)
     params = "fp32"
     if world_size > 1:
         params = cfg.distributed.param_dtype or ("fp32" if t.quantization_aware else "compute")
     learner = Side(dtype=prec.learner_dtype, quantization=r.quantization if t.quantization_aware else "none",
-                   group_size=r.quant_group_size, support_replay=r.replay_sampling_mask,
+                   group_size=r.quant_group_size, kv_cache=r.kv_cache_dtype if t.kv_cache_aware else "auto",
+                   kv_scales=r.kv_cache_scales, support_replay=r.replay_sampling_mask,
                    routing_replay=cfg.moe.routing_replay, compiled=compiled[1], gemm=gemm[1], exact=cfg.exact,
                    params=params)
     return engine, learner

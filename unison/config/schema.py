@@ -126,6 +126,15 @@ class RolloutConfig(_Section):
                           "w8a8_fp8", "w8a8_int8"] = "none"
     #: int4: input columns sharing one scale (must divide every quantized weight's input dimension)
     quant_group_size: int = Field(64, ge=1)
+    #: the attention cache's format (unison/kvcache.py; **contract** key): auto (the compute dtype) | fp8_e4m3 |
+    #: fp8_e5m2 — every key (after the rotary embedding) and value the engine writes is divided by its scale,
+    #: rounded to fp8 and multiplied back, as vLLM's ``kv_cache_dtype``. Native engine, fast path (Llama,
+    #: Mistral, Qwen2, Qwen3), not in exact mode; train.kv_cache_aware makes the learner attend as it did
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    #: a quantized cache's scales (**contract** key): sync (per layer and KV head, for keys and for values, max|x| /
+    #: the format's largest value over the real prompt tokens of the first batch after each weight sync: vLLM's
+    #: calculate_kv_scales, refreshed at every refit) | one (scale 1: vLLM without calibrated scales)
+    kv_cache_scales: Literal["sync", "one"] = "sync"
     #: asynchronous off-policy RL (docs/async.md; **contract** key): the engine generates up to K batches
     #: ahead of the learner, so a sample is trained on by weights at most K updates newer than the ones
     #: that generated it. 0 = the synchronous loop. Native engine: a worker process of its own;
@@ -323,6 +332,10 @@ class TrainConfig(_Section):
     #: the fp32 masters. With LoRA the merged weight W + (α/r)·B·A is what is quantized (what the engine
     #: holds); under FSDP2 the gathered weight; exact mode with a quantized rollout needs it
     quantization_aware: bool = False
+    #: the learner replays a quantized KV cache (rollout.kv_cache_dtype ≠ auto): its attention's keys and values
+    #: quantized with the scales each row's cache held (straight through), in the score pass and the training pass,
+    #: so π attends over what μ attended over. Not with activation_checkpointing (its recompute would not replay)
+    kv_cache_aware: bool = False
     #: with one mini-batch (one optimizer step per rollout, θ = θ_old), take log π_old and the
     #: mismatch from the training forward instead of a separate score pass (one forward fewer)
     fuse_score_pass: bool = True

@@ -77,7 +77,7 @@ def _bias(linear) -> torch.Tensor | None:
 
 
 def layer_forward(layer, w: tuple, packed: bool, rope, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, start: int, act=None) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, start: int, act=None, kv=None) -> torch.Tensor:
     """One decoder layer: ``h`` [b, s, d] at cache positions ``start`` … ``start + s − 1`` (K/V written there),
     attending over the cache up to them under ``mask`` [b, 1, s, keys]; ``w`` one entry of
     :attr:`FastWeights.layers`; ``rope`` the model's ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
@@ -95,6 +95,8 @@ def layer_forward(layer, w: tuple, packed: bool, rope, h: torch.Tensor, kc: torc
     if hasattr(attn, "q_norm"):  # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    if kv is not None:
+        k, v = kv(k, v)
     kc[:, :, start:end] = k
     vc[:, :, start:end] = v
     o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=attn.scaling,
@@ -148,9 +150,9 @@ class Kernels:
         #: seconds the first calls took to compile (:meth:`warm_up`)
         self.compile_s = 0.0
 
-    def layer(self, *args, act=None) -> torch.Tensor:
-        if act is not None:  # W8A8: eagerly (the engine does not compile then)
-            return layer_forward(*args, act=act)
+    def layer(self, *args, act=None, kv=None) -> torch.Tensor:
+        if act is not None or kv is not None:  # W8A8, a quantized cache: eagerly (the engine does not compile then)
+            return layer_forward(*args, act=act, kv=kv)
         h = args[4]
         return (self._fn if h.shape[0] > 1 else layer_forward)(*args)
 

@@ -18,7 +18,7 @@ forward pass. Two ways through the model:
 from __future__ import annotations
 
 import contextlib
-
+import functools
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from unison import gemm
+from unison import kvcache
 from unison import moe
 from unison.batch import Completion
 from unison.distributed import current
@@ -70,7 +71,18 @@ class NativeEngine:
         #: W8A8 (rollout.quantization w8a8_*): every quantized layer's input quantized per token (unison/quant.py);
         #: the fast path runs it eagerly, the generic path through forward pre-hooks on those layers
         self.act_quant = activation_quantizer(quantization)
-        self.kernels = Kernels(compile and self.path == "fast" and not exact and self.act_quant is None)
+        #: a quantized KV cache (rollout.kv_cache_dtype; unison/kvcache.py): the fast path's cache, eagerly
+        self.kv: kvcache.EngineCache | None = None
+        if side.kv_cache != "auto":
+            if self.path != "fast" or exact:
+                raise UnisonError(f"rollout.kv_cache_dtype {side.kv_cache} runs on the native engine's fast path "
+                                  f"(Llama, Mistral, Qwen2, Qwen3) outside exact mode; this "
+                                  f"{'run is exact' if exact else type(self.model).__name__ + ' decodes through its own forward'}"
+                                  f": set rollout.kv_cache_dtype=auto")
+            self.kv = kvcache.EngineCache(side.kv_cache, side.kv_scales, len(self.model.model.layers),
+                                          self.config.num_key_value_heads)
+        self.kernels = Kernels(compile and self.path == "fast" and not exact and self.act_quant is None
+                               and self.kv is None)
         if self.path == "fast":
             self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
             packed = (gemm.engine_choice() == "onednn" and dtype == torch.float32 and self.device.type == "cpu"
@@ -151,6 +163,8 @@ class NativeEngine:
             count += 1
         if count and self.fast is not None and self.fast.packed:
             self.fast.refresh()  # the packed copies, anew
+        if count and self.kv is not None:
+            self.kv.reset()  # sync scales: measured anew by the next batch
         return count
 
     @torch.no_grad()
@@ -200,7 +214,9 @@ class NativeEngine:
         routing: list[list[torch.Tensor]] | None = [[] for _ in range(B)] if self.moe else None
 
         backend = self._backend(B, P, T)
-        logits = self._run(backend.prefill, routing, None, ids, key_ok, pos)
+        with self.kv.calibrating(key_ok) if self.kv is not None else contextlib.nullcontext():
+            logits = self._run(backend.prefill, routing, None, ids, key_ok, pos)
+        kv_scale = self.kv.scales.clone() if self.kv is not None else None
 
         out_tokens = torch.zeros((B, T), dtype=torch.long, device=dev)
         out_logp = torch.zeros((B, T), dtype=torch.float32, device=dev)
@@ -243,7 +259,7 @@ class NativeEngine:
                        logprobs=lps[b, :lengths[b]].tolist(), finish_reason=finish[b],
                        prompt_index=pi, sample_index=si,
                        routing=_row_routing(routing[b], len(p) + int(lengths[b]) - 1) if routing else None,
-                       support=sup[b, :lengths[b]].tolist() if sup is not None else None)
+                       support=sup[b, :lengths[b]].tolist() if sup is not None else None, kv_scale=kv_scale)
             for b, (pi, si, p) in enumerate(rows)
         ]
 
@@ -278,8 +294,11 @@ class NativeEngine:
                 replay = moe.replay(self.model, moe.replay_indices(routing[rows]))
             else:
                 replay = contextlib.nullcontext()
+            backend = self._backend(B, L, 0)
+            if self.kv is not None:  # the cache quantized as each row's was when it was sampled
+                backend.kv_rows = batch.extras["kv_scale"][rows]
             with replay:
-                h = self._backend(B, L, 0).hidden(ids, key_ok, pos, want.to(self.device))  # [n, d], rows of `want`
+                h = backend.hidden(ids, key_ok, pos, want.to(self.device))  # [n, d], rows of `want`
             logits = self._head(h).float()
             if params.temperature != 1.0:
                 logits = logits / params.temperature
@@ -349,6 +368,9 @@ class _FastBackend(_CacheBackend):
     """The fused path (Llama, Mistral, Qwen2, Qwen3): our own attention over a preallocated
     KV cache in the engine's dtype; q/k/v and gate/up are one matmul each."""
 
+    #: re-scoring a batch (:meth:`NativeEngine.score`) with a quantized cache: its rows' scales [B, layers, 2, heads]
+    kv_rows: torch.Tensor | None = None
+
     def __init__(self, eng: NativeEngine, B: int, P: int, T: int):
         self.eng, self.P = eng, P
         cfg = eng.config
@@ -391,8 +413,9 @@ class _FastBackend(_CacheBackend):
         h = core.embed_tokens(ids)
         cos, sin = core.rotary_emb(h, pos)
         fast, rope, packed = eng.fast, eng._rope, eng.fast.packed
-        for layer, (kc, vc), w in zip(core.layers, self.cache, fast.layers):
-            h = eng.kernels.layer(layer, w, packed, rope, h, kc, vc, cos, sin, mask, start, act=eng.act_quant)
+        for i, (layer, (kc, vc), w) in enumerate(zip(core.layers, self.cache, fast.layers)):
+            kv = None if eng.kv is None else functools.partial(eng.kv.apply, i, rows=self.kv_rows)
+            h = eng.kernels.layer(layer, w, packed, rope, h, kc, vc, cos, sin, mask, start, act=eng.act_quant, kv=kv)
         if want is not None:
             return core.norm(h[want])
         return fast.logits(core.norm(h[:, -1]))

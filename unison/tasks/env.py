@@ -154,6 +154,8 @@ class _Episode:
         self.version: int | None = None  # the first model turn's
         self.routing: list = []
         self.routed = 0
+        #: a quantized KV cache: the scales of the first model turn (they hold until the engine's next weight sync)
+        self.kv_scale = None
         try:
             self.env = rt.env_cls()
             self.record.messages = _check_messages(self.env.reset(item), f"{rt.env_name}.reset")
@@ -205,6 +207,7 @@ class _Episode:
             self.routing.append(c.routing[self.routed:upto])
             self.routed = upto
         self.version = c.version if self.version is None else self.version
+        self.kv_scale = c.kv_scale if self.kv_scale is None else self.kv_scale
         self._append(toks, lps, model=True, support=sup, versions=versions)
         self.record.turns += 1
         self.record.model_messages.append(len(self.record.messages))  # the message this turn becomes
@@ -292,7 +295,7 @@ class _Episode:
                           routing=torch.cat(self.routing) if self.routing else None,
                           version=self.version or 0, mask=self.mask, episode=self.record,
                           token_versions=self.token_versions if len(set(self.token_versions)) > 1 else None,
-                          support=self.support if any(self.support) else None)
+                          support=self.support if any(self.support) else None, kv_scale=self.kv_scale)
 
 
 @dataclass
