@@ -16,7 +16,7 @@ from unison.probe import ProbeConfig, run_probe
 from unison.rollout import SamplingParams, make_engine
 from unison.rollout.native import decode_path
 from unison.trainer import Trainer
-from unison.zoo import ARCHITECTURES, build
+from unison.zoo import ARCHITECTURES, RECURRENT, build
 from unison.sides import Side
 from unison.policy import ScoringOptions
 
@@ -244,7 +244,7 @@ def test_lora_merged_weight_is_w_plus_alpha_over_r_b_a_by_hand(tiny_dir):
             assert torch.equal(w, base[n]), n
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in MOE])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in MOE and a not in RECURRENT])
 def test_packed_rows_score_and_train_as_padded_rows_in_every_architecture(zoo, arch):
     """train.packing: three sequences (two longer than the 24-token sliding windows) in one row give
     the log-probs and gradients of the same sequences in padded rows, to fp32 rounding — by one sdpa
@@ -331,16 +331,12 @@ def test_lora_merge_equals_peft_merge_on_non_square_and_conv1d_layers(zoo, arch,
 
 
 @pytest.mark.parametrize("model_type,config", [
-    ("qwen3_next", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=1,
-                        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0, vocab_size=None)),
-    ("mamba2", dict(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=16, n_groups=1,
-                    expand=2, vocab_size=None)),
+    ("mamba", dict(hidden_size=32, num_hidden_layers=2, state_size=8, vocab_size=None)),
 ])
 def test_a_hybrid_or_state_space_model_is_refused_in_one_line(tmp_path, capsys, tiny_dir, model_type, config):
-    """Issue 54: a tiny random qwen3_next (Gated DeltaNet layers between attention) or mamba2 ended in an
-    AttributeError deep in the engine; now `unison train` and `unison probe` refuse it in one line naming the
-    architecture, exit 2, and write nothing."""
+    """Issue 54: a hybrid or state-space model not yet tried here (qwen3_next and mamba2 run: tests/test_hybrid.py)
+    ended in an AttributeError deep in the engine; now `unison train` and `unison probe` refuse it in one line
+    naming the architecture, exit 2, and write nothing."""
     import shutil
     from pathlib import Path
 

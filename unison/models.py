@@ -301,9 +301,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
 
     _quiet_transformers()
     cfg = model_config(model_dir)
-    # sdpa everywhere, except where it would silently change the model: Gemma 2's attention
-    # logit soft-capping exists only in the eager kernel
-    attn = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
+    attn = attention_implementation(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
     except ValueError as e:
@@ -332,6 +330,15 @@ def decode_path(config) -> str:
     return "fast" if config.model_type in FAST_PATH_TYPES and not _uses_window(config) else "generic"
 
 
+def attention_implementation(config) -> str:
+    """sdpa everywhere, except where it would silently change the model (Gemma 2's attention logit soft-capping
+    exists only in the eager kernel) and for models without softmax attention (Mamba2: transformers refuses sdpa
+    for them)."""
+    if getattr(config, "attn_logit_softcapping", None) or config.model_type == "mamba2":
+        return "eager"
+    return "sdpa"
+
+
 def model_shell(model_dir: Path, for_training: bool = False):
     """The model's modules with parameters on the meta device (shapes only, no memory, no weights
     read): for checks that need the architecture before anything is loaded, and for the ranks of a
@@ -343,31 +350,42 @@ def model_shell(model_dir: Path, for_training: bool = False):
     cfg = model_config(model_dir)
     kw = {}
     if for_training:
-        kw = dict(dtype=torch.float32,
-                  attn_implementation="eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa")
+        kw = dict(dtype=torch.float32, attn_implementation=attention_implementation(cfg))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, **kw)
     return model.eval()
 
 
+#: hybrid and state-space architectures that run (issue 54): the native engine's generic path decodes them with the
+#: model's own recurrent state per row (transformers' cache, left-padded prompts masked out of the state), the learner
+#: scores them with the model's chunked scan; tested on tiny random models (tests/test_hybrid.py)
+RECURRENT_RUN = ("qwen3_next", "mamba2")
 #: architectures whose layers are (in part) linear attention or state-space models: a recurrent decode against a
-#: chunked training scan, which neither engine nor the learner runs yet (issue 54) — refused in one line
-RECURRENT_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mamba", "mamba2", "falcon_mamba", "nemotron_h",
+#: chunked training scan, not yet tried here (issue 54) — refused in one line
+RECURRENT_TYPES = ("qwen3_5", "qwen3_5_moe", "mamba", "falcon_mamba", "nemotron_h",
                    "falcon_h1", "kimi_linear", "lfm2", "lfm2_moe", "granitemoehybrid", "jamba", "zamba", "zamba2",
                    "bamba", "rwkv", "recurrent_gemma", "xlstm", "minimax", "olmo_hybrid")
 #: a ``layer_types`` entry naming a layer that is not softmax attention
 _RECURRENT_LAYER = ("linear", "mamba", "ssm", "recurrent", "conv", "delta", "rwkv")
 
 
+def is_recurrent(config) -> bool:
+    """A hybrid or state-space model that runs (:data:`RECURRENT_RUN`): a recurrent state, not only a KV cache."""
+    return config.model_type in RECURRENT_RUN
+
+
 def check_not_recurrent(config, model_dir) -> None:
-    """Refuse a hybrid or state-space model in one line, before anything is loaded or written."""
+    """Refuse a hybrid or state-space model not yet tried here in one line, before anything is loaded or written."""
+    if is_recurrent(config):
+        return
     kinds = {str(k) for k in (getattr(config, "layer_types", None) or []) if isinstance(k, str)}
     odd = sorted(k for k in kinds if any(w in k.lower() for w in _RECURRENT_LAYER))
     if config.model_type in RECURRENT_TYPES or odd:
         what = f"its {', '.join(odd)} layers" if odd else "its state-space / linear-attention layers"
         raise UnisonError(f"'{model_dir}' is a {config.model_type} model: {what} decode with a recurrent state "
-                          f"that unison's engines and learner do not run yet (hybrid models: docs/models.md); use an "
-                          f"attention-only causal LM (llama, mistral, qwen2, qwen3, gemma, gpt2, ...)")
+                          f"that unison's engines and learner do not run yet (hybrid models: docs/models.md); use "
+                          f"{' or '.join(RECURRENT_RUN)} or an attention-only causal LM (llama, mistral, qwen2, qwen3, "
+                          f"gemma, gpt2, ...)")
 
 
 def model_config(model_dir: Path):

@@ -31,7 +31,7 @@ from unison.errors import UnisonError
 from unison.exact import ExactForward
 from unison.exact import learner_logprobs
 from unison.logprobs import DEFAULT_CHUNK, PolicyForward, token_logprobs
-from unison.models import load_model, model_shell, use_packed_attention
+from unison.models import is_recurrent, load_model, model_shell, use_packed_attention
 from unison.quant import QuantizationAware
 from unison.rollout.decode import no_duck_sizing
 from unison.sides import Side
@@ -406,6 +406,8 @@ def packing_plan(model, packing: bool, is_moe: bool, exact: bool) -> tuple[bool,
     """``train.packing`` as this model can run it: (packed, why it does less than asked — None when it does all)."""
     if packing and is_moe:
         return False, "off: MoE models keep padded rows (routing replay's layout)"
+    if packing and is_recurrent(model.config):  # a recurrent state would run on from one packed response to the next
+        return False, f"off: {model.config.model_type}'s recurrent layers keep padded rows (their state spans a row)"
     if packing and exact:
         return False, "off: exact mode keeps its fixed padded layout"
     if packing and not use_packed_attention(model):

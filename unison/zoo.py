@@ -35,7 +35,14 @@ ARCHITECTURES: dict[str, dict] = {
     "qwen3_moe": dict(_DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     "mixtral": dict(_DENSE, num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(_DENSE, num_experts=8, num_experts_per_tok=2),
+    # hybrid / state-space (issue 54): Gated DeltaNet layers 0-2 and gated attention in layer 3; Mamba2 blocks only
+    "qwen3_next": dict(_DENSE, num_hidden_layers=4, num_experts=0, linear_num_value_heads=4, linear_num_key_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16),
+    "mamba2": dict(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=1,
+                   expand=2),
 }
+#: the hybrid and state-space models among them (their own recurrent decode; no packing)
+RECURRENT = ("qwen3_next", "mamba2")
 
 
 def build(model_type: str, out_dir: str | Path, seed: int = 0, init_std: float = 0.1) -> Path:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -314,7 +315,11 @@ class NativeEngine:
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer (and the model's own logit transform, as the learner applies it) on final hidden states:
         the fast path's products (as its decode), else the model's own."""
-        logits = self.fast.logits(h) if self.fast is not None else self.model.get_output_embeddings()(h)
+        if self.fast is not None:
+            logits = self.fast.logits(h)
+        else:  # (Mamba2's final norm returns fp32: its own forward casts to the head's dtype, as here)
+            head = self.model.get_output_embeddings()
+            logits = head(h.to(head.weight.dtype))
         transform = logit_transform(self.config)
         return logits if transform is None else transform(logits)
 
@@ -450,8 +455,9 @@ class _ExactBackend(_CacheBackend):
 
 class _GenericBackend:
     """Any Hugging Face causal LM: the model's own forward with a ``DynamicCache`` built from
-    its config (sliding-window layers keep their window), the full-history attention mask and
-    position ids of the left-padded batch; logit soft-capping and scaling are the model's own."""
+    its config (sliding-window layers keep their window; a hybrid's or a state-space model's linear layers their
+    recurrent and convolution states, per row), the full-history attention mask and position ids of the
+    left-padded batch; logit soft-capping and scaling are the model's own."""
 
     def __init__(self, eng: NativeEngine, B: int, P: int, T: int):
         from transformers import DynamicCache
@@ -459,6 +465,10 @@ class _GenericBackend:
         self.eng = eng
         self.cache = DynamicCache(config=eng.model.config)
         self.mask = None
+        params = inspect.signature(eng.model.forward).parameters
+        #: Mamba2 takes its cache as ``cache_params`` and no position ids (its state is the position)
+        self.cache_arg = "cache_params" if "cache_params" in params else "past_key_values"
+        self.positions = "position_ids" in params
 
     def prefill(self, ids, key_ok, pos):
         self.mask = key_ok.long()
@@ -466,7 +476,11 @@ class _GenericBackend:
 
     def select(self, keep):
         idx = keep.nonzero().squeeze(-1)
-        self.cache.batch_select_indices(idx)
+        for layer in self.cache.layers:  # a linear-attention layer's states have no batch_select_indices: the
+            if hasattr(layer, "batch_select_indices"):  # row selection of beam search does the same on them
+                layer.batch_select_indices(idx)
+            else:
+                layer.reorder_cache(idx)
         self.mask = self.mask[idx]
 
     def step(self, tok, pos, t):
@@ -474,13 +488,14 @@ class _GenericBackend:
         return self._forward(tok[:, None], pos[:, None])
 
     def _forward(self, ids, pos):
-        out = self.eng.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=1)
+        kw = {self.cache_arg: self.cache, **({"position_ids": pos} if self.positions else {})}
+        out = self.eng.model(input_ids=ids, attention_mask=self.mask, use_cache=True, logits_to_keep=1, **kw)
         return out.logits[:, -1]
 
     def hidden(self, ids, key_ok, pos, want):
         """The model's own forward over whole sequences, no cache: the final hidden states at ``want``."""
-        out = self.eng.model.base_model(input_ids=ids, attention_mask=key_ok.long(), position_ids=pos, use_cache=False)
+        kw = {"position_ids": pos} if self.positions else {}
+        out = self.eng.model.base_model(input_ids=ids, attention_mask=key_ok.long(), use_cache=False, **kw)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return h[want]
 
