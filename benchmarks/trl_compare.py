@@ -187,7 +187,7 @@ def version(dist: str) -> str | None:
 def shape_prompts(shape: str, count: int, work: Path) -> tuple[list[str], list[str]]:
     """unison's task settings and the user messages TRL gets, for one prompt shape."""
     from unison.data_io import read_jsonl, resolve_data_path
-    from unison.probe import load_prompts
+    from unison.data_io import load_prompts
     from unison.tasks.math import MATH_TEMPLATE
 
     if shape == "chat":

@@ -21,13 +21,6 @@ def _numbers(text: str, kind, flag: str) -> list:
                           f"{'1.0,0.9' if kind is float else '0,50'}") from e
 
 
-def _int_csv(text: str, flag: str) -> list[int]:
-    try:
-        return [int(t) for t in _csv(text)]
-    except ValueError as e:
-        raise UnisonError(f"{flag} '{text}' is not a comma-separated list of integers: write e.g. {flag} 0,1,2") from e
-
-
 THREADS_HELP = ("torch threads of every process this command runs: auto (default: OMP_NUM_THREADS when set, "
                 "else measured — free cores and the model's size; the choice is printed) or N; the config key "
                 "`threads`")
@@ -73,12 +66,9 @@ def _add_probe(sub) -> None:
                         "--quant-group-size), mxfp8, mxfp4, nvfp4 (block-scaled), w8a8_fp8, w8a8_int8 (activations "
                         "per token too); one arm per precision and format against the same learner (default: none)")
     p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale (default: 64)")
-    p.add_argument("--kv-cache", default="auto",
-                   help="comma-separated KV-cache formats of the native engine: auto (the compute dtype), fp8_e4m3, "
-                        "fp8_e5m2; one arm each (docs/quantized-rollout.md; default: auto)")
-    p.add_argument("--kv-cache-scales", default="sync", choices=["sync", "one"],
-                   help="a quantized cache's scales: sync (measured from the arm's prompts, per layer and KV head) "
-                        "or one (default: sync)")
+    p.add_argument("--kv-cache", default="auto", help="comma-separated KV-cache formats of the native engine, one "
+                   "arm each: auto (the compute dtype), fp8_e4m3, fp8_e5m2 (default: auto)")
+    p.add_argument("--kv-cache-scales", default="sync", choices=["sync", "one"], help="a quantized cache's scales")
     p.add_argument("--quantization-aware", action="store_true",
                    help="also score every quantized arm with a quantization-aware learner (train.quantization_aware: "
                         "the learner computes through the rollout's quantizer); with --exact, exact quantized arms too; with --kv-cache, the learner replaying the cache: train.kv_cache_aware")
@@ -324,7 +314,7 @@ def cmd_sanity(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UnisonError(f"--out '{out}' exists and is not a directory: choose another path")
-    seeds = _int_csv(args.seeds, "--seeds") if args.seeds else None
+    seeds = _numbers(args.seeds, int, "--seeds") if args.seeds else None
     summaries, report, _ = run_sanity(cfg, out, _csv(args.precisions), _csv(args.algorithms),
                                    k=args.k, band=band, max_prompts=args.max_prompts, seeds=seeds,
                                    quantizations=_csv(args.quantization))

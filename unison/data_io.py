@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 from unison.errors import UnisonError
@@ -142,3 +143,30 @@ def resolve_data_path(path: str | Path, what: str = "task.path") -> Path:
     from importlib import resources
 
     return Path(str(resources.files("unison") / "data" / "math" / BUILTIN_DATA[name]))
+
+
+def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
+    """Prompt strings from a JSONL file (field ``prompt``, or ``problem``), or the built-in ones.
+    ``line_numbers``, when given, receives each prompt's line in its file."""
+    if path is None:
+        ref = resources.files("unison") / "data" / "prompts.jsonl"
+        with resources.as_file(ref) as p:
+            rows = read_jsonl(p, {"prompt": str}, line_numbers=line_numbers)
+    else:
+        rows = read_jsonl(path, {"prompt": str}, {"prompt": ("problem",)}, line_numbers=line_numbers)
+    return [r["prompt"] for r in rows]
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt, through the chat template when the tokenizer has one."""
+    out = []
+    for p in prompts:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(p)["input_ids"]
+        out.append(list(ids))
+    return out

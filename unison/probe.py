@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from unison.compilation import sides
 from unison.config import TaskConfig, load_config
 from unison.config.schema import LoRAConfig
 from unison.config.values import parse_compile
-from unison.data_io import read_jsonl
+from unison.data_io import encode_prompts, load_prompts
 from unison.errors import UnisonError
 from unison.exact import check_supported, self_check
 from unison.learner import Learner
@@ -98,33 +97,6 @@ class ProbeConfig:
     #: weights W + (α/r)·B·A — as a LoRA run syncs them — while the learner scores through the adapters
     lora_ranks: list[int] = field(default_factory=lambda: [0])
     tokens: int = 8  #: responses per arm and variant recorded for ``unison view`` (tokens.json; largest k3 first)
-
-
-def load_prompts(path: str | None, line_numbers: list[int] | None = None) -> list[str]:
-    """Prompt strings from a JSONL file (field ``prompt``, or ``problem``), or the built-in ones.
-    ``line_numbers``, when given, receives each prompt's line in its file."""
-    if path is None:
-        ref = resources.files("unison") / "data" / "prompts.jsonl"
-        with resources.as_file(ref) as p:
-            rows = read_jsonl(p, {"prompt": str}, line_numbers=line_numbers)
-    else:
-        rows = read_jsonl(path, {"prompt": str}, {"prompt": ("problem",)}, line_numbers=line_numbers)
-    return [r["prompt"] for r in rows]
-
-
-def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt, through the chat template when the tokenizer has one."""
-    out = []
-    for p in prompts:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer(p)["input_ids"]
-        out.append(list(ids))
-    return out
 
 
 #: ``--lora-rank``: the relative change ‖(α/r)·B·A‖ / ‖W‖ the probe's random adapters make to each adapted weight
