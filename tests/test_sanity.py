@@ -160,7 +160,7 @@ def broken_lr(run_dir):
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["optim/lr"]
 
 
-@pytest.mark.parametrize("regime,seeds,workers", [("stale", "0,1", "2"), ("int4", "0", "1")])
+@pytest.mark.parametrize("regime,seeds,workers", [("stale", "0,1", "2"), ("int4", "0", "1"), ("nvfp4", "0", "1")])
 def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, workers):
     """`unison demo` (make demo): the precision arms, then part 2's clean, broken and cured runs on two seeds, two
     processes at a time (int4: GRPO and the same run quantization-aware; stale: K = 4 naive and with the
@@ -178,13 +178,13 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
     args += [x for kv in TASK for x in ("--set", kv)]
     assert main(args) == 0
     assert sorted(p.name for p in (out / "precision" / "arms").iterdir()) == ["fp32-grpo"]
-    names = {"int4": ["fp32-grpo", "fp32-int4-grpo-qat", "fp32-int4-grpo"],
-             "stale": ["fp32-grpo-k0", "fp32-grpo-k4-tis-budget", "fp32-grpo-k4", "fp32-grpo-k4-tis"]}[regime]
+    names = (["fp32-grpo-k0", "fp32-grpo-k4-tis-budget", "fp32-grpo-k4", "fp32-grpo-k4-tis"] if regime == "stale" else
+             ["fp32-grpo", f"fp32-{regime}-grpo-qat", f"fp32-{regime}-grpo"])
     seed_list = [int(x) for x in seeds.split(",")]
     assert sorted(p.name for p in (out / "collapse" / "arms").iterdir()) == sorted(f"{n}-s{s}" for n in names
                                                                                    for s in seed_list)
     text = (out / "report.md").read_text()
-    title = {"int4": "int4 rollout weights", "stale": "samples 4 policy versions old"}[regime]
+    title = "samples 4 policy versions old" if regime == "stale" else f"{regime} rollout weights"
     assert f"{title}, GRPO training accuracy (last 10 steps), mean of {len(seed_list)} seed" in text
     assert "| seed | clean |" in text and "| mean |" in text
     if regime == "stale":  # the control: Token-TIS at the run's LR, no budget (constant LR, the correction on)
@@ -197,7 +197,7 @@ def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, worke
     arms = out / "collapse" / "arms"
     for s in seed_list:
         cured = [json.loads(x) for x in (arms / f"{names[1]}-s{s}" / "metrics.jsonl").read_text().splitlines()]
-        if regime == "int4":
+        if regime != "stale":
             assert all(r["mismatch/k3"] < 1e-9 for r in cured)  # π is the policy μ samples from
         else:
             import yaml

@@ -348,7 +348,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--precisions", default="fp16,bf16,fp32", help="part 1's arms (default: fp16,bf16,fp32)")
     p.add_argument("--regime", default=None,
                    help="part 2's regime: stale (samples 4 versions old; cure: Token-TIS with the mismatch-budget LR; the default) or "
-                        "int4 (int4 rollout weights; cure: the quantization-aware learner)")
+                        "int4, mxfp4, nvfp4 (those rollout weights; cure: the quantization-aware learner)")
     p.add_argument("--k", type=int, default=8, help="filter: samples per prompt (default: 8)")
     p.add_argument("--max-prompts", type=int, default=32, help="filter: part 1's training set (default: 32)")
     p.add_argument("--collapse-prompts", type=int, default=64, help="filter: part 2's training set (default: 64)")

@@ -105,15 +105,21 @@ REGIMES = {
              "(train.schedule=mismatch_budget from 0.1× of the LR, k3 target 3e-3) cured it",
         cure_run="the corrected run", term="staleness",
         control="Token-TIS alone at the run's LR (the control, no budget)"),
-    # int4 rollout weights, and the quantization-aware learner (π is the policy μ samples from)
-    "int4": Regime(
-        recipe=[],
-        arms={"clean": ("clean: fp32 rollout", "none", None), "broken": ("int4 rollout, GRPO", "int4", None),
-              "cured": ("int4 rollout + quantization_aware", "int4", CURE)},
-        title="int4 rollout weights", broken="the int4 run",
-        cure="computing the learner through the rollout's quantizer (train.quantization_aware=true) cured it",
-        cure_run="the quantization-aware run", term="quantization"),
 }
+
+
+def _quantized(fmt: str) -> Regime:
+    """``fmt`` rollout weights (int4; the 4-bit block formats mxfp4, nvfp4), and the quantization-aware learner (π is
+    the policy μ samples from)."""
+    return Regime(recipe=[], arms={"clean": ("clean: fp32 rollout", "none", None),
+                                   "broken": (f"{fmt} rollout, GRPO", fmt, None),
+                                   "cured": (f"{fmt} rollout + quantization_aware", fmt, CURE)},
+                  title=f"{fmt} rollout weights", broken=f"the {fmt} run",
+                  cure="computing the learner through the rollout's quantizer (train.quantization_aware=true) cured it",
+                  cure_run="the quantization-aware run", term="quantization")
+
+
+REGIMES.update({fmt: _quantized(fmt) for fmt in ("int4", "mxfp4", "nvfp4")})
 DEFAULT_REGIME = "stale"
 #: part 2's seeds (each run once per seed, side by side)
 SEEDS = [0, 1]
