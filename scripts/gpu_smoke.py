@@ -174,6 +174,7 @@ APIS: dict[str, tuple[str, ...]] = {
     "transformers.models.llama.modeling_llama:LlamaForCausalLM": (),
     "transformers.models.auto.configuration_auto:AutoConfig": (),
     "transformers.models.auto.modeling_auto:AutoModelForCausalLM": (),
+    "transformers.models.auto.modeling_auto:MODEL_FOR_CAUSAL_LM_MAPPING": (),
     "transformers.models.auto.tokenization_auto:AutoTokenizer": (),
     "transformers.tokenization_utils_tokenizers:PreTrainedTokenizerFast": (),
     "transformers.cache_utils:DynamicCache": ("config",),

@@ -43,6 +43,15 @@ def module_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture()
+def char_reward(tmp_path):
+    """``--set`` overrides for a reward of len(response) / 10, graded even when cut: real gradients on a random
+    model."""
+    p = tmp_path / "char_reward.py"
+    p.write_text("def reward(response, item):\n    return len(response) / 10\n")
+    return [f"task.reward={p}:reward", "task.truncated_reward=null"]
+
+
 @pytest.fixture(autouse=True)
 def _gemm_choice_per_test():
     """A test that makes this process's fp32 matmuls oneDNN's (unison/gemm.py) does not change the bits of

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from unison import zoo
 from unison.cli import main
 
 # A tiny valid training config: 1-digit addition, 8 prompts, 2-token responses, one step.
@@ -248,6 +249,25 @@ CASES = {
     "train-distributed-key-without-torchrun": lambda e: (
         ["train", e.cfg(), "--set", "distributed.timeout_s=5", "--out", str(e.out)], e.out,
         "distributed.timeout_s is set but unison is not running under torchrun"),
+    # a quantized KV cache (unison/kvcache.py) where it cannot run
+    "train-kv-cache-aware-without-a-cache": lambda e: (
+        ["train", e.cfg(), "--set", "train.kv_cache_aware=true", "--out", str(e.out)], e.out,
+        "train.kv_cache_aware replays a quantized KV cache, and rollout.kv_cache_dtype is 'auto'"),
+    "train-kv-cache-on-vllm": lambda e: (
+        ["train", e.cfg(), "--set", "rollout.kv_cache_dtype=fp8_e4m3", "--set", "engine=vllm", "--out", str(e.out)],
+        e.out, "rollout.kv_cache_dtype=fp8_e4m3 is the native engine's cache"),
+    "train-kv-cache-in-exact-mode": lambda e: (
+        ["train", e.cfg(), "--set", "rollout.kv_cache_dtype=fp8_e4m3", "--set", "exact=true", "--out", str(e.out)],
+        e.out, "exact mode shares one forward"),
+    "train-kv-cache-aware-with-checkpointing": lambda e: (
+        ["train", e.cfg(), "--set", "rollout.kv_cache_dtype=fp8_e4m3", "--set", "train.kv_cache_aware=true", "--set",
+         "train.activation_checkpointing=true", "--out", str(e.out)], e.out, "set one of them false"),
+    "train-kv-cache-on-the-generic-path": lambda e: (
+        ["train", e.cfg(), "--set", f"model={zoo.build('gpt2', e.root / 'gpt2')}", "--set",
+         "rollout.kv_cache_dtype=fp8_e5m2", "--out", str(e.out)], e.out, "gpt2 decodes through its own forward"),
+    "train-lora-all-linear-on-mamba2": lambda e: (
+        ["train", e.cfg(), "--set", f"model={zoo.build('mamba2', e.root / 'mamba2')}", "--set", "lora.rank=4",
+         "--out", str(e.out)], e.out, "Module 'out_proj' is incompatible with Mamba-based models"),
     "train-bad-set-syntax": lambda e: (
         ["train", e.cfg(), "--set", "train.lr", "--out", str(e.out)], e.out, "--set 'train.lr' is not key=value"),
     "train-out-is-a-file": lambda e: (

@@ -2,8 +2,6 @@
 layer 3) and mamba2 decoded by the native engine's generic path with the model's own recurrent state per row, scored
 by the learner's chunked scan, trained, resumed, probed."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -52,21 +50,14 @@ BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4"
         "log.tensorboard=false", "mismatch.decompose_every=1", "checkpoint.every=1"]
 
 
-@pytest.fixture()
-def reward(tmp_path):
-    p = tmp_path / "char_reward.py"
-    p.write_text("def reward(response, item):\n    return len(response) / 10\n")
-    return [f"task.reward={p}:reward", "task.truncated_reward=null"]
-
-
 def _fit(run, sets, resume=False):
     Trainer(load_config(None, BASE + sets), run, log=lambda m: None, resume=resume).fit()
     return read_metrics(run / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("arch", RECURRENT)
-def test_grpo_trains_resumes_bit_for_bit_and_the_ledger_adds_up(tmp_path, hybrids, reward, arch):
-    sets = reward + [f"model={hybrids[arch]}"]
+def test_grpo_trains_resumes_bit_for_bit_and_the_ledger_adds_up(tmp_path, hybrids, char_reward, arch):
+    sets = char_reward + [f"model={hybrids[arch]}"]
     whole = _fit(tmp_path / "whole", sets + ["train.steps=3"])
     assert whole[-1]["optim/grad_norm"] > 0
     for r in whole:  # fp32 both sides: decode, engine — and the chain adds up
@@ -77,17 +68,7 @@ def test_grpo_trains_resumes_bit_for_bit_and_the_ledger_adds_up(tmp_path, hybrid
     assert resumed[-1]["policy/loss"] == whole[-1]["policy/loss"] and resumed[-1]["reward/mean"] == whole[-1]["reward/mean"]
 
 
-def test_lora_trains_on_a_hybrid_and_a_mamba_target_peft_refuses_is_one_line(tmp_path, hybrids, reward, capsys):
-    rows = _fit(tmp_path / "lora", reward + [f"model={hybrids['qwen3_next']}", "train.steps=2", "lora.rank=4"])
+def test_lora_trains_on_a_hybrid(tmp_path, hybrids, char_reward):
+    """(On Mamba2 PEFT refuses the default all-linear targets: one line, test_bad_inputs.)"""
+    rows = _fit(tmp_path / "lora", char_reward + [f"model={hybrids['qwen3_next']}", "train.steps=2", "lora.rank=4"])
     assert len(rows) == 2 and rows[-1]["optim/grad_norm"] > 0
-    from unison.cli import main
-
-    out = tmp_path / "mamba-lora"
-    config = Path(__file__).resolve().parents[1] / "configs" / "tiny-fp32.yaml"
-    argv = ["train", str(config), "--set", f"model={hybrids['mamba2']}", "--set", "lora.rank=4", "--out", str(out)]
-    for s in BASE + ["train.steps=1"]:
-        argv += ["--set", s]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "lora.target_modules" in err[0] and "out_proj" in err[0], err
-    assert not out.exists()

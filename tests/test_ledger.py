@@ -157,10 +157,8 @@ BASE = ["task.digits=1", "task.train_size=40", "task.eval_size=8", "rollout.n=4"
 
 
 @pytest.fixture()
-def reward(tmp_path):
-    p = tmp_path / "char_reward.py"
-    p.write_text("def reward(response, item):\n    return len(response) / 10\n")  # real gradients on a random model
-    return [f"task.reward={p}:reward", "task.truncated_reward=null"]
+def reward(char_reward):
+    return char_reward  # real gradients on a random model
 
 
 def _fit(tmp_path, name, sets, steps=2, log=lambda m: None):

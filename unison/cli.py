@@ -71,7 +71,8 @@ def _add_probe(sub) -> None:
     p.add_argument("--kv-cache-scales", default="sync", choices=["sync", "one"], help="a quantized cache's scales")
     p.add_argument("--quantization-aware", action="store_true",
                    help="also score every quantized arm with a quantization-aware learner (train.quantization_aware: "
-                        "the learner computes through the rollout's quantizer); with --exact, exact quantized arms too; with --kv-cache, the learner replaying the cache: train.kv_cache_aware")
+                        "the learner computes through the rollout's quantizer); with --exact, exact quantized arms too; "
+                        "with --kv-cache, the learner that replays the cache (train.kv_cache_aware)")
     p.add_argument("--top-p", default="1.0",
                    help="comma-separated top-p values to sample with (1.0 = off), one arm each; truncated arms are "
                         "scored without and with sampling-mask replay (default: 1.0)")

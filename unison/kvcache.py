@@ -31,17 +31,20 @@ import contextvars
 
 import torch
 
+from unison.errors import UnisonError
+from unison.models import decode_path
+from unison.quant import round_float8
+
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2")
 SCALES = ("sync", "one")
-#: each format's torch dtype and largest finite value
-FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+#: each format's torch dtype (its largest finite value: ``torch.finfo(dtype).max``, 448 and 57344)
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
     """``x`` [b, heads, s, d] divided by ``scale`` (fp32, broadcastable: [b or 1, heads, s or 1, 1]), rounded to
     ``fmt`` (nearest, ties to even, saturating), multiplied back in fp32, returned in ``x``'s dtype."""
-    dtype, top = FP8[fmt]
-    return ((x.float() / scale).clamp(-top, top).to(dtype).float() * scale).to(x.dtype)
+    return (round_float8(x.float() / scale, FP8[fmt]) * scale).to(x.dtype)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -58,7 +61,22 @@ def calibrate(x: torch.Tensor, valid: torch.Tensor, fmt: str) -> torch.Tensor:
     """The scale of each head, [heads] fp32: max|x| over the positions ``valid`` [b, s] marks (every row, every
     channel) / the format's largest value; 1 for a head with nothing but zeros there."""
     amax = x.float().abs().amax(-1).masked_fill(~valid[:, None, :], 0.0).amax(dim=(0, 2))
-    return torch.where(amax > 0, amax / FP8[fmt][1], torch.ones_like(amax))
+    return torch.where(amax > 0, amax / torch.finfo(FP8[fmt]).max, torch.ones_like(amax))
+
+
+def check_model(fmt: str, config, exact: bool) -> None:
+    """The one refusal of a quantized cache a model or mode cannot hold (the trainer's preflight, before anything is
+    written, and the engine itself): the native engine's fast path quantizes its own cache; nothing else does.
+    ``config`` None: the mode alone."""
+    if fmt == "auto":
+        return
+    if exact:
+        raise UnisonError("exact mode shares one forward between the engine and the learner, which does not quantize "
+                          "its cache: set rollout.kv_cache_dtype=auto or exact=false")
+    if config is not None and decode_path(config) != "fast":
+        raise UnisonError(f"rollout.kv_cache_dtype={fmt} quantizes the native engine's own cache (Llama, Mistral, "
+                          f"Qwen2, Qwen3 without a sliding window), and {config.model_type} decodes through its own "
+                          f"forward: set rollout.kv_cache_dtype=auto")
 
 
 class EngineCache:
@@ -145,8 +163,6 @@ def wrap_attention(model) -> None:
     if inner.startswith(_WRAPPED):
         return
     if inner not in ALL_ATTENTION_FUNCTIONS:
-        from unison.errors import UnisonError
-
         raise UnisonError(f"train.kv_cache_aware replays the cache in the learner's attention, and this model runs "
                           f"'{inner}' attention: set train.kv_cache_aware=false")
     name = _WRAPPED + inner

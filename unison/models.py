@@ -332,9 +332,12 @@ def decode_path(config) -> str:
 
 def attention_implementation(config) -> str:
     """sdpa everywhere, except where it would silently change the model (Gemma 2's attention logit soft-capping
-    exists only in the eager kernel) and for models without softmax attention (Mamba2: transformers refuses sdpa
-    for them)."""
-    if getattr(config, "attn_logit_softcapping", None) or config.model_type == "mamba2":
+    exists only in the eager kernel) and where the model's class does not take it (``_supports_sdpa`` false:
+    Mamba2, which has no softmax attention — transformers refuses sdpa for it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if getattr(config, "attn_logit_softcapping", None) or (cls is not None and not cls._supports_sdpa):
         return "eager"
     return "sdpa"
 

@@ -18,7 +18,8 @@ from unison.data_io import read_metrics
 from unison.distributed import under_torchrun
 from unison.errors import UnisonError
 from unison.exact import check_supported
-from unison.models import decode_path, model_config
+from unison.kvcache import check_model as check_kv_cache_model
+from unison.models import model_config
 from unison.precision import Precision
 from unison.tasks.env import is_multi_turn
 from unison.tasks.env import tokens_after_prompt
@@ -109,9 +110,7 @@ def _check_kv_cache_settings(cfg: Config) -> None:
         raise UnisonError(f"rollout.kv_cache_dtype={kv} is the native engine's cache (vLLM's own fp8 cache does not "
                           f"give unison the scales it used, so the learner could not replay it): set engine=native, "
                           f"or rollout.kv_cache_dtype=auto and vLLM's own kv_cache_dtype")
-    if cfg.exact:
-        raise UnisonError("exact mode shares one forward between the engine and the learner, which does not quantize "
-                          "its cache: set rollout.kv_cache_dtype=auto or exact=false")
+    check_kv_cache_model(kv, None, cfg.exact)  # exact mode: refused before any model config is read
     if t.kv_cache_aware and t.activation_checkpointing:
         raise UnisonError("train.kv_cache_aware quantizes the keys and values in the forward, which "
                           "train.activation_checkpointing's recompute in the backward would not: set one of them false")
@@ -239,10 +238,7 @@ def check_data(cfg: Config, task, world_size: int) -> None:
 
 def check_context(cfg: Config, model_dir: Path, task, prompt_ids) -> None:
     config = model_config(model_dir)
-    if cfg.rollout.kv_cache_dtype != "auto" and decode_path(config) != "fast":
-        raise UnisonError(f"rollout.kv_cache_dtype={cfg.rollout.kv_cache_dtype} quantizes the native engine's own "
-                          f"cache (Llama, Mistral, Qwen2, Qwen3 without a sliding window), and {config.model_type} "
-                          f"decodes through its own forward: set rollout.kv_cache_dtype=auto")
+    check_kv_cache_model(cfg.rollout.kv_cache_dtype, config, cfg.exact)
     limit = getattr(config, "max_position_embeddings", None)
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     need = len(prompt_ids[longest]) + tokens_after_prompt(cfg)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from unison import kvcache
 from unison import ledger
 from unison import locate
 from unison import moe
@@ -195,8 +196,6 @@ def _check_options(cfg: ProbeConfig) -> tuple[list[str], list[str], list[str]]:
                           "term), and only the native engine does for unison: use --engine native")
     if cfg.locate and cfg.locate_rows < 1:
         raise UnisonError(f"--locate-rows {cfg.locate_rows}: trace at least 1 response")
-    from unison import kvcache
-
     bad_kv = [k for k in cfg.kv_caches if k not in kvcache.FORMATS] or ([] if cfg.kv_caches else ["(empty)"])
     if bad_kv or cfg.kv_cache_scales not in kvcache.SCALES:
         raise UnisonError(f"--kv-cache '{bad_kv[0]}' is invalid: choose among {', '.join(kvcache.FORMATS)}" if bad_kv

@@ -82,7 +82,7 @@ def quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     amax = xf.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / _QMAX[elem], torch.ones_like(amax))
     y = xf / scale
-    y = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() if elem == "fp8" else torch.round(y).clamp(-127, 127)
+    y = round_e4m3(y) if elem == "fp8" else torch.round(y).clamp(-127, 127)
     return (y * scale).to(x.dtype)
 
 
@@ -118,9 +118,16 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(grid[lo + up.long()], x)
 
 
+def round_float8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """``x`` rounded to the nearest value of the float8 ``dtype`` (ties to even), saturating at its largest finite
+    value (e4m3: ±448, e5m2: ±57344), back in fp32 — torch's cast alone would give NaN or inf beyond it."""
+    top = torch.finfo(dtype).max
+    return x.clamp(-top, top).to(dtype).float()
+
+
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to the nearest e4m3 (OCP ``float8_e4m3fn``) value, saturating at ±448, back in fp32."""
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return round_float8(x, torch.float8_e4m3fn)
 
 
 def parse_quantization(name: str) -> str:

@@ -75,11 +75,7 @@ class NativeEngine:
         #: a quantized KV cache (rollout.kv_cache_dtype; unison/kvcache.py): the fast path's cache, eagerly
         self.kv: kvcache.EngineCache | None = None
         if side.kv_cache != "auto":
-            if self.path != "fast" or exact:
-                raise UnisonError(f"rollout.kv_cache_dtype {side.kv_cache} runs on the native engine's fast path "
-                                  f"(Llama, Mistral, Qwen2, Qwen3) outside exact mode; this "
-                                  f"{'run is exact' if exact else type(self.model).__name__ + ' decodes through its own forward'}"
-                                  f": set rollout.kv_cache_dtype=auto")
+            kvcache.check_model(side.kv_cache, self.config, exact)
             self.kv = kvcache.EngineCache(side.kv_cache, side.kv_scales, len(self.model.model.layers),
                                           self.config.num_key_value_heads)
         self.kernels = Kernels(compile and self.path == "fast" and not exact and self.act_quant is None
@@ -90,6 +86,10 @@ class NativeEngine:
                       and not exact)
             self.fast = FastWeights(self.model, packed, decode_rows)
 
+        #: the generic path's forward arguments: Mamba2 takes its cache as ``cache_params`` and no position ids (its
+        #: state is the position); every other model ``past_key_values`` and ``position_ids``
+        params = inspect.signature(self.model.forward).parameters
+        self.generic_args = ("cache_params" if "cache_params" in params else "past_key_values", "position_ids" in params)
         self.moe = bool(moe.routers(self.model))
         #: exact mode (unison/exact.py): one forward shared with the learner, a fixed layout
         self.exact = None
@@ -465,10 +465,7 @@ class _GenericBackend:
         self.eng = eng
         self.cache = DynamicCache(config=eng.model.config)
         self.mask = None
-        params = inspect.signature(eng.model.forward).parameters
-        #: Mamba2 takes its cache as ``cache_params`` and no position ids (its state is the position)
-        self.cache_arg = "cache_params" if "cache_params" in params else "past_key_values"
-        self.positions = "position_ids" in params
+        self.cache_arg, self.positions = eng.generic_args
 
     def prefill(self, ids, key_ok, pos):
         self.mask = key_ok.long()
