@@ -268,6 +268,12 @@ CASES = {
     "train-lora-all-linear-on-mamba2": lambda e: (
         ["train", e.cfg(), "--set", f"model={zoo.build('mamba2', e.root / 'mamba2')}", "--set", "lora.rank=4",
          "--out", str(e.out)], e.out, "Module 'out_proj' is incompatible with Mamba-based models"),
+    "train-state-dtype-on-an-attention-model": lambda e: (
+        ["train", e.cfg(), "--set", "rollout.state_dtype=model", "--out", str(e.out)], e.out,
+        "rollout.state_dtype=model rounds the recurrent state of a hybrid or state-space model"),
+    "train-state-dtype-with-vllm": lambda e: (
+        ["train", e.cfg(), "--set", "rollout.state_dtype=model", "--set", "engine=vllm", "--out", str(e.out)], e.out,
+        "rollout.state_dtype=model rounds the native engine's recurrent state"),
     "train-bad-set-syntax": lambda e: (
         ["train", e.cfg(), "--set", "train.lr", "--out", str(e.out)], e.out, "--set 'train.lr' is not key=value"),
     "train-out-is-a-file": lambda e: (

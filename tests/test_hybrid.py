@@ -11,6 +11,8 @@ from unison.data_io import read_metrics
 from unison.learner import Learner
 from unison.policy import ScoringOptions
 from unison.rollout import SamplingParams, make_engine
+from unison.rollout.native import _GenericBackend
+from unison.sides import Side
 from unison.trainer import Trainer
 from unison.zoo import RECURRENT, build
 
@@ -68,7 +70,35 @@ def test_grpo_trains_resumes_bit_for_bit_and_the_ledger_adds_up(tmp_path, hybrid
     assert resumed[-1]["policy/loss"] == whole[-1]["policy/loss"] and resumed[-1]["reward/mean"] == whole[-1]["reward/mean"]
 
 
-def test_lora_trains_on_a_hybrid(tmp_path, hybrids, char_reward):
-    """(On Mamba2 PEFT refuses the default all-linear targets: one line, test_bad_inputs.)"""
-    rows = _fit(tmp_path / "lora", char_reward + [f"model={hybrids['qwen3_next']}", "train.steps=2", "lora.rank=4"])
+@pytest.mark.parametrize("arch,targets", [("qwen3_next", "all-linear"), ("nemotron_h", "[in_proj,q_proj,down_proj]"),
+                                          ("falcon_h1", "[in_proj,q_proj,down_proj]")])
+def test_lora_trains_on_a_hybrid(tmp_path, hybrids, char_reward, arch, targets):
+    """(On the Mamba2 mixers PEFT refuses the default all-linear targets — their out_proj and conv1d: one line,
+    test_bad_inputs; named Linear targets train.)"""
+    rows = _fit(tmp_path / "lora", char_reward + [f"model={hybrids[arch]}", "train.steps=2", "lora.rank=4",
+                                                  f"lora.target_modules={targets}"])
     assert len(rows) == 2 and rows[-1]["optim/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_a_model_state_is_the_compute_dtype_after_every_step_and_fp32_is_left_alone(hybrids, arch):
+    """rollout.state_dtype=model: after the prefill and after each decode step every recurrent state the cache holds
+    is exactly representable in bf16 (rounded as a bf16 cache would hold it); with fp32 (the default) it is not, so
+    the check can fail. In an fp32 run ``model`` is a no-op."""
+    assert not Side(dtype=torch.float32, state="model").rounds_state
+    ids = torch.tensor([[5, 9, 11, 3, 8, 8, 1, 4], [0, 0, 0, 0, 7, 2, 6, 6]])
+    key_ok = torch.ones_like(ids, dtype=torch.bool)
+    key_ok[1, :4] = False
+    pos = (key_ok.cumsum(-1) - 1).clamp(min=0)
+    held = {}
+    for state in ("fp32", "model"):
+        eng = make_engine("native", hybrids[arch], Side(dtype=torch.bfloat16, state=state))
+        backend = _GenericBackend(eng, 2, ids.shape[1], 4)
+        backend.prefill(ids, key_ok, pos)
+        for t in range(3):
+            backend.step(torch.tensor([3, 4]), pos[:, -1] + 1 + t, t)
+        states = [s for layer in backend.cache.layers for s in getattr(layer, "recurrent_states", {}).values()
+                  if s is not None]
+        assert states and all(s.dtype == torch.float32 for s in states)  # the reference kernels keep fp32
+        held[state] = all(torch.equal(s, s.to(torch.bfloat16).float()) for s in states)
+    assert held == {"fp32": False, "model": True}

@@ -12,6 +12,7 @@ from unison.sides import Side
 from unison import locate
 from unison.batch import collate
 from unison.errors import UnisonError
+from unison import zoo
 from unison.learner import Learner
 from unison.rollout import SamplingParams, generate, make_engine
 
@@ -25,7 +26,7 @@ def test_compare_on_hand_numbers():
            "head": torch.tensor([[0.5, 0.5]]).log()}
     eng = {"embed": torch.tensor([[3.0, 4.5]]), "norm": torch.tensor([[1.0, 2.0]]),
            "head": torch.tensor([[0.75, 0.25]]).log()}
-    out = locate.compare(eng, lrn, batch, torch.bfloat16, num_layers=0)
+    out = locate.compare(eng, lrn, batch, torch.bfloat16, ["embed", "norm", "head"])
     err = {o["op"]: o["rel_error"] for o in out["ops"]}
     assert err["embed"] == pytest.approx(0.1) and err["norm"] == 0.0 and err["head"] == pytest.approx(0.5)
     assert out["rounding_line"] == 4 * 2.0 ** -8
@@ -34,9 +35,47 @@ def test_compare_on_hand_numbers():
     assert out["full_kl_mean"] == pytest.approx(kl, rel=1e-6) and out["full_kl_by_position"] == pytest.approx([kl])
 
 
-def test_op_names_follow_the_forward():
-    assert locate.op_names(1) == ["embed", "L0.attn_norm", "L0.attn", "L0.mlp_norm", "L0.mlp", "L0.out", "norm",
-                                  "head"]
+def test_op_names_follow_the_forward(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ops = locate.op_names(Learner(tiny_dir).model)
+    assert ops[:7] == ["embed", "L0.attn_norm", "L0.attn", "L0.mlp_norm", "L0.mlp", "L0.out", "L1.attn_norm"]
+    assert ops[-3:] == ["L3.out", "norm", "head"] and len(ops) == 1 + 4 * 5 + 2
+    hybrid = {arch: locate.op_names(AutoModelForCausalLM.from_pretrained(zoo.build(arch, tmp_path / arch)))
+              for arch in zoo.RECURRENT}
+    # Gated DeltaNet in layers 0-2: a per-head gated norm (its input flattened over heads), attention in layer 3
+    assert hybrid["qwen3_next"][:9] == ["embed", "L0.attn_norm", "L0.in_proj", "L0.scan", "L0.gate", "L0.linear",
+                                        "L0.mlp_norm", "L0.mlp", "L0.out"]
+    assert "L3.attn" in hybrid["qwen3_next"] and "L3.scan" not in hybrid["qwen3_next"]
+    assert hybrid["mamba2"] == ["embed", "L0.norm", "L0.in_proj", "L0.scan", "L0.gate", "L0.linear", "L0.out",
+                                "L1.norm", "L1.in_proj", "L1.scan", "L1.gate", "L1.linear", "L1.out", "norm", "head"]
+    # one block type a layer: a Mamba2 mixer, an MLP, attention, an MLP
+    assert hybrid["nemotron_h"][1:8] == ["L0.norm", "L0.in_proj", "L0.scan", "L0.gate", "L0.linear", "L0.out",
+                                         "L1.norm"]
+    assert hybrid["nemotron_h"][8:13] == ["L1.mlp", "L1.out", "L2.norm", "L2.attn", "L2.out"]
+    # attention and an SSM side by side (no gated norm by default: mamba_rms_norm false), then the MLP
+    assert hybrid["falcon_h1"][1:9] == ["L0.attn_norm", "L0.attn", "L0.in_proj", "L0.gate", "L0.linear",
+                                        "L0.mlp_norm", "L0.mlp", "L0.out"]
+
+
+@pytest.mark.parametrize("arch", zoo.RECURRENT)
+def test_a_hybrid_perturbed_input_projection_is_named(tmp_path, arch):
+    """A hybrid's engine (its prefill: the chunked scan) against the learner, fp32: within the rounding line at every
+    op; the engine's first input projection perturbed by 1e-3 of its scale: that op is the first above it."""
+    d = zoo.build(arch, tmp_path / arch)
+    engine = make_engine("native", d, torch.float32)
+    batch = collate(generate(engine, [[5, 9, 11, 3, 8], [7, 2, 4]], SamplingParams(n=2, max_tokens=20, seed=0)),
+                    engine.pad_id)
+    learner = Learner(d)
+    same = locate.locate(engine, learner, batch, 1.0, torch.float32)
+    assert same["first_above"] is None
+    mixer = next(m for m in engine.model.modules() if hasattr(m, "out_proj") and
+                 (hasattr(m, "in_proj") or hasattr(m, "in_proj_qkvz")))
+    w = (getattr(mixer, "in_proj", None) or mixer.in_proj_qkvz).weight
+    with torch.no_grad():
+        w.add_(1e-3 * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    out = locate.locate(engine, learner, batch, 1.0, torch.float32)
+    assert out["first_above"] == "L0.in_proj" and out["ops"][-1]["above"]
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ import torch
 from unison import lora
 from unison.config.values import parse_compile, parse_gemm
 from unison.errors import UnisonError
-from unison.models import save_model_dir
+from unison.models import load_model, save_model_dir
 from unison.sync import weights_of
 
 PREFIX = "step_"
@@ -168,6 +168,10 @@ def read_model(scorer, path: Path) -> dict[str, torch.Tensor]:
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights.update(load_file(f))
+    if set(weights) != set(scorer.model.state_dict()) and (path / "config.json").exists():
+        # save_pretrained writes some models in their hub layout (Nemotron-H: backbone.*, the module model.*):
+        # transformers' loader maps them back, bit for bit (fp32 in, fp32 out)
+        weights = load_model(path).state_dict()
     check_model_keys(scorer.model, weights, str(path))
     return weights
 

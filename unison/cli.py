@@ -50,6 +50,7 @@ def _add_probe(sub) -> None:
                    help="comma-separated precisions, each sets both engines (default: fp32,bf16,fp16)")
     p.add_argument("--engine", default="native", help="comma-separated rollout engines (default: native)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="max response length (default: 512)")
+    p.add_argument("--ignore-eos", action="store_true", help="sample past EOS: responses --max-new-tokens long")
     p.add_argument("--n", type=int, default=8, help="responses per prompt (default: 8)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -69,6 +70,8 @@ def _add_probe(sub) -> None:
     p.add_argument("--kv-cache", default="auto", help="comma-separated KV-cache formats of the native engine, one "
                    "arm each: auto (the compute dtype), fp8_e4m3, fp8_e5m2 (default: auto)")
     p.add_argument("--kv-cache-scales", default="sync", choices=["sync", "one"], help="a quantized cache's scales")
+    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "model"], help="a hybrid's recurrent state "
+                   "between decode steps: fp32, or model (rounded to the compute dtype: rollout.state_dtype)")
     p.add_argument("--quantization-aware", action="store_true",
                    help="also score every quantized arm with a quantization-aware learner (train.quantization_aware: "
                         "the learner computes through the rollout's quantizer); with --exact, exact quantized arms too; "
@@ -111,16 +114,14 @@ def cmd_probe(args) -> int:
     from unison.probe import ProbeConfig, run_probe
     from unison.probe_tables import format_table, precision_ratios, write_outputs
 
-    cfg = ProbeConfig(model=args.model, prompts=args.prompts, precisions=_csv(args.precision),
-                      engines=_csv(args.engine), n=args.n, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, seed=args.seed, device=args.device,
-                      param_dtypes=_csv(args.param_dtype), exact=args.exact,
-                      quantizations=_csv(args.quantization), quant_group_size=args.quant_group_size,
-                      quantization_aware=args.quantization_aware, kv_caches=_csv(args.kv_cache),
-                      kv_cache_scales=args.kv_cache_scales, top_ps=_numbers(args.top_p, float, "--top-p"),
-                      top_ks=_numbers(args.top_k, int, "--top-k"), ledger=args.ledger, task=args.task,
-                      locate=args.locate, locate_rows=args.locate_rows, compiles=_csv(args.compile),
-                      lora_ranks=_numbers(args.lora_rank, int, "--lora-rank"))
+    same = ("model", "prompts", "n", "max_new_tokens", "ignore_eos", "temperature", "seed", "device", "exact",
+            "quant_group_size", "quantization_aware", "kv_cache_scales", "state_dtype", "ledger", "task", "locate",
+            "locate_rows")
+    cfg = ProbeConfig(**{k: getattr(args, k) for k in same}, precisions=_csv(args.precision),
+                      engines=_csv(args.engine), param_dtypes=_csv(args.param_dtype),
+                      quantizations=_csv(args.quantization), kv_caches=_csv(args.kv_cache),
+                      top_ps=_numbers(args.top_p, float, "--top-p"), top_ks=_numbers(args.top_k, int, "--top-k"),
+                      compiles=_csv(args.compile), lora_ranks=_numbers(args.lora_rank, int, "--lora-rank"))
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UnisonError(f"--out '{out_dir}' exists and is not a directory: choose another path")

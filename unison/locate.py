@@ -5,7 +5,8 @@ path — its own attention) and the learner's forward (fp32 parameters under aut
 tokens with hooks on the same modules. At every op of the decoder —
 
     embed, then per layer i: L{i}.attn_norm, L{i}.attn (o_proj's output), L{i}.mlp_norm, L{i}.mlp (down_proj's
-    output), L{i}.out (the residual stream leaving the layer), then norm (the final norm) and head (the logits)
+    output), L{i}.out (the residual stream leaving the layer), then norm (the final norm) and head (the logits);
+    a hybrid's linear-attention and state-space layers: L{i}.in_proj, L{i}.scan, L{i}.gate, L{i}.linear (:func:`taps`)
 
 — the relative error ‖h_engine − h_learner‖ / ‖h_learner‖ over the positions that predict response tokens (the
 tokens the mismatch is measured on), and the first op whose error exceeds its precision's rounding: the unit
@@ -23,7 +24,7 @@ import contextlib
 import torch
 
 from unison.errors import UnisonError
-from unison.models import FAST_PATH_TYPES
+from unison.models import FAST_PATH_TYPES, RECURRENT_RUN
 from unison.models import logit_transform
 from unison.precision import autocast
 
@@ -37,36 +38,81 @@ ROUNDING_SLACK = 4.0
 
 def check_locatable(model) -> None:
     """Refuse a model whose decoder is not one whose ops it names: the Llama family (Llama, Mistral, Qwen2, Qwen3 —
-    the native engine's fused path), where the modules below mean what the op names say."""
+    the native engine's fused path), where the modules below mean what the op names say, and the hybrid and
+    state-space models that run (:data:`~unison.models.RECURRENT_RUN`)."""
     kind = getattr(model.config, "model_type", "?")
-    core = getattr(model, "model", None)
-    layers = getattr(core, "layers", None)
+    layers = getattr(_core(model), "layers", None)
+    if kind in RECURRENT_RUN and layers is not None:
+        return
     if kind not in FAST_PATH_TYPES or layers is None or not hasattr(layers[0].mlp, "down_proj"):
         raise UnisonError(f"--locate names the ops of a dense Llama-family decoder ({', '.join(FAST_PATH_TYPES)}: "
                           f"embed_tokens, input_layernorm, self_attn.o_proj, post_attention_layernorm, mlp.down_proj, "
-                          f"norm); model type '{kind}' is not one: drop --locate for this model")
+                          f"norm) or of a hybrid ({', '.join(RECURRENT_RUN)}); model type '{kind}' is not one: drop "
+                          f"--locate for this model")
 
 
-def op_names(num_layers: int) -> list[str]:
-    """Every op --locate reports, in the order the forward runs them."""
-    ops = ["embed"]
-    for i in range(num_layers):
-        ops += [f"L{i}.attn_norm", f"L{i}.attn", f"L{i}.mlp_norm", f"L{i}.mlp", f"L{i}.out"]
-    return ops + ["norm", "head"]
+def _core(model):
+    """The decoder stack: ``model.model``, or Mamba2's ``backbone``."""
+    return getattr(model, "model", None) or getattr(model, "backbone", None)
+
+
+def _first(module, *names):
+    return next((getattr(module, n) for n in names if getattr(module, n, None) is not None), None)
+
+
+def taps(model) -> list[tuple[str, object, str]]:
+    """Every op --locate reports, in the order the forward runs them: ``(name, module, how)``, ``how`` one of
+    ``out`` (the module's output), ``in`` (its first input) and ``in_flat`` (its first input, flattened over heads:
+    a gated norm that Gated DeltaNet calls per head). Per layer: its input norm (``attn_norm`` in the Llama family,
+    ``norm`` elsewhere); a softmax attention's output (``attn``: o_proj); a linear-attention or state-space mixer's
+    input projection (``in_proj``), its scan's output (``scan``: the gated norm's input, where it has one), the scan
+    after the gate and norm (``gate``: out_proj's input) and its output (``linear``: out_proj's); the MLP's norm and
+    output (``mlp_norm``, ``mlp``: down_proj); ``out``, the residual stream leaving the layer."""
+    core = _core(model)
+    final = _first(core, "norm", "norm_f", "final_layernorm")
+    ops = [("embed", _first(core, "embed_tokens", "embeddings"), "out")]
+    for i, layer in enumerate(core.layers):
+        norm = _first(layer, "input_layernorm", "norm")
+        if i > 0:  # the residual stream entering layer i is the one leaving layer i - 1
+            ops.append((f"L{i - 1}.out", norm, "in"))
+        ops.append((f"L{i}.attn_norm" if hasattr(layer, "input_layernorm") else f"L{i}.norm", norm, "out"))
+        mixer = _first(layer, "linear_attn", "mamba", "mixer")
+        attn = _first(layer, "self_attn") or (mixer if hasattr(mixer, "o_proj") else None)
+        if attn is not None:
+            ops.append((f"L{i}.attn", attn.o_proj, "out"))
+        if mixer is not None and hasattr(mixer, "out_proj"):
+            ops.append((f"L{i}.in_proj", _first(mixer, "in_proj", "in_proj_qkvz"), "out"))
+            if not isinstance(getattr(mixer, "norm", None), (type(None), torch.nn.Identity)):  # (Falcon-H1's unused)
+                ops.append((f"L{i}.scan", mixer.norm, "in_flat"))
+            ops += [(f"L{i}.gate", mixer.out_proj, "in"), (f"L{i}.linear", mixer.out_proj, "out")]
+        mlp = _first(layer, "mlp", "feed_forward") or (mixer if hasattr(mixer, "down_proj") else None)
+        mlp_norm = _first(layer, "post_attention_layernorm", "pre_ff_layernorm")
+        if mlp_norm is not None:
+            ops.append((f"L{i}.mlp_norm", mlp_norm, "out"))
+        if hasattr(mlp, "down_proj"):  # (not a mixture of experts: its output is the layer's, in L{i}.out)
+            ops.append((f"L{i}.mlp", mlp.down_proj, "out"))
+    ops.append((f"L{len(core.layers) - 1}.out", final, "in"))
+    return ops + [("norm", final, "out")]
+
+
+def op_names(model) -> list[str]:
+    """Every op --locate reports, in the order the forward runs them (:func:`taps`), then ``head``."""
+    return [name for name, _, _ in taps(model)] + ["head"]
 
 
 @contextlib.contextmanager
 def tapped(model, want: torch.Tensor, into: dict[str, torch.Tensor]):
-    """Record every op of ``model``'s decoder (see the module docstring) at the positions ``want`` marks
-    ([B, L] bool) into ``into`` (name -> [n, d] fp32 on the CPU) while the context is open. Works on any forward
-    that calls the decoder's modules: the Hugging Face forward and the native engine's fused path alike (which
-    calls the norms, o_proj and down_proj as modules and may apply the final norm to rows already selected)."""
-    core = model.model
-    n = int(want.sum())
+    """Record every op of ``model``'s decoder (:func:`taps`) at the positions ``want`` marks ([B, L] bool) into
+    ``into`` (name -> [n, d] fp32 on the CPU) while the context is open. Works on any forward that calls the
+    decoder's modules: the Hugging Face forward and the native engine's fused path alike (which calls the norms,
+    o_proj and down_proj as modules and may apply the final norm to rows already selected)."""
+    n, rows = int(want.sum()), want.numel()
 
-    def keep(name):
+    def keep(name, flat):
         def put(t):
             t = t[0] if isinstance(t, tuple) else t
+            if flat and t.dim() == 2 and t.shape[0] % rows == 0:
+                t = t.reshape(*want.shape, -1)
             if t.dim() >= 3 and tuple(t.shape[:2]) == tuple(want.shape):
                 t = t[want.to(t.device)]
             elif t.shape[0] != n:
@@ -77,24 +123,12 @@ def tapped(model, want: torch.Tensor, into: dict[str, torch.Tensor]):
 
     handles = []
     try:
-        def hook(module, name):
-            put = keep(name)
-            handles.append(module.register_forward_hook(lambda _m, _a, out: put(out)))
-
-        def pre_hook(module, name):
-            put = keep(name)
-            handles.append(module.register_forward_pre_hook(lambda _m, args: put(args[0])))
-
-        hook(core.embed_tokens, "embed")
-        for i, layer in enumerate(core.layers):
-            hook(layer.input_layernorm, f"L{i}.attn_norm")
-            hook(layer.self_attn.o_proj, f"L{i}.attn")
-            hook(layer.post_attention_layernorm, f"L{i}.mlp_norm")
-            hook(layer.mlp.down_proj, f"L{i}.mlp")
-            if i > 0:  # the residual stream entering layer i is the one leaving layer i - 1
-                pre_hook(layer.input_layernorm, f"L{i - 1}.out")
-        pre_hook(core.norm, f"L{len(core.layers) - 1}.out")
-        hook(core.norm, "norm")
+        for name, module, how in taps(model):
+            put = keep(name, how == "in_flat")
+            if how == "out":
+                handles.append(module.register_forward_hook(lambda _m, _a, out, put=put: put(out)))
+            else:
+                handles.append(module.register_forward_pre_hook(lambda _m, args, put=put: put(args[0])))
         yield into
     finally:
         for h in handles:
@@ -150,12 +184,12 @@ def learner_trace(scorer, batch, temperature: float) -> dict[str, torch.Tensor]:
 
 
 def compare(eng: dict[str, torch.Tensor], lrn: dict[str, torch.Tensor], batch, dtype: torch.dtype,
-            num_layers: int) -> dict:
+            ops: list[str]) -> dict:
     """Per op the relative error of the engine against the learner, the first op above the rounding line, and the
     full-vocabulary KL(μ ‖ π) per response position."""
     line = ROUNDING_SLACK * UNIT_ROUNDOFF[dtype]
     rows, first = [], None
-    for name in op_names(num_layers):
+    for name in ops:
         e, r = eng[name], lrn[name]
         if name == "head":  # the probabilities, not their logs: a log-prob's error is unbounded where p is tiny
             e, r = e.exp(), r.exp()
@@ -179,7 +213,7 @@ def locate(engine, scorer, batch, temperature: float, dtype: torch.dtype) -> dic
     """:func:`compare` of the engine's and the learner's traces over ``batch``."""
     eng = engine_trace(engine, batch, temperature)
     lrn = learner_trace(scorer, batch, temperature)
-    return compare(eng, lrn, batch, dtype, len(scorer.model.model.layers))
+    return compare(eng, lrn, batch, dtype, op_names(scorer.model))
 
 
 def arm_label(r: dict) -> str:
@@ -191,7 +225,7 @@ def summary_ops(ops: list[str]) -> list[str]:
     """The ops the console table shows: the embedding, the first layer's attention and output, the middle and the
     last layer's outputs, the final norm and the head (``locate.md`` has every op)."""
     last = max(int(o[1:].split(".")[0]) for o in ops if o.startswith("L"))
-    keep = ["embed", "L0.attn", "L0.out", f"L{last // 2}.out", f"L{last}.out", "norm", "head"]
+    keep = ["embed", "L0.attn", "L0.scan", "L0.linear", "L0.out", f"L{last // 2}.out", f"L{last}.out", "norm", "head"]
     return list(dict.fromkeys(o for o in keep if o in ops))
 
 

@@ -362,11 +362,10 @@ def model_shell(model_dir: Path, for_training: bool = False):
 #: hybrid and state-space architectures that run (issue 54): the native engine's generic path decodes them with the
 #: model's own recurrent state per row (transformers' cache, left-padded prompts masked out of the state), the learner
 #: scores them with the model's chunked scan; tested on tiny random models (tests/test_hybrid.py)
-RECURRENT_RUN = ("qwen3_next", "mamba2")
+RECURRENT_RUN = ("qwen3_next", "mamba2", "nemotron_h", "falcon_h1")
 #: architectures whose layers are (in part) linear attention or state-space models: a recurrent decode against a
 #: chunked training scan, not yet tried here (issue 54) — refused in one line
-RECURRENT_TYPES = ("qwen3_5", "qwen3_5_moe", "mamba", "falcon_mamba", "nemotron_h",
-                   "falcon_h1", "kimi_linear", "lfm2", "lfm2_moe", "granitemoehybrid", "jamba", "zamba", "zamba2",
+RECURRENT_TYPES = ("qwen3_5", "qwen3_5_moe", "mamba", "falcon_mamba", "kimi_linear", "lfm2", "lfm2_moe", "granitemoehybrid", "jamba", "zamba", "zamba2",
                    "bamba", "rwkv", "recurrent_gemma", "xlstm", "minimax", "olmo_hybrid")
 #: a ``layer_types`` entry naming a layer that is not softmax attention
 _RECURRENT_LAYER = ("linear", "mamba", "ssm", "recurrent", "conv", "delta", "rwkv")
@@ -389,6 +388,14 @@ def check_not_recurrent(config, model_dir) -> None:
                           f"that unison's engines and learner do not run yet (hybrid models: docs/models.md); use "
                           f"{' or '.join(RECURRENT_RUN)} or an attention-only causal LM (llama, mistral, qwen2, qwen3, "
                           f"gemma, gpt2, ...)")
+
+
+def check_state_dtype(state_dtype: str, config) -> None:
+    """``rollout.state_dtype=model`` rounds a recurrent state: refused for a model that has none."""
+    if state_dtype != "fp32" and not is_recurrent(config):
+        raise UnisonError(f"rollout.state_dtype={state_dtype} rounds the recurrent state of a hybrid or state-space "
+                          f"model ({', '.join(RECURRENT_RUN)}), and {config.model_type} has none: set "
+                          f"rollout.state_dtype=fp32")
 
 
 def model_config(model_dir: Path):

@@ -19,7 +19,7 @@ from unison.distributed import under_torchrun
 from unison.errors import UnisonError
 from unison.exact import check_supported
 from unison.kvcache import check_model as check_kv_cache_model
-from unison.models import model_config
+from unison.models import check_state_dtype, model_config
 from unison.precision import Precision
 from unison.tasks.env import is_multi_turn
 from unison.tasks.env import tokens_after_prompt
@@ -91,6 +91,10 @@ def check_settings(cfg: Config) -> None:
             raise UnisonError(f"policy.anchor={anchor} reads π_old and the measured mismatch from the training forward, "
                               f"which lora.dropout={cfg.lora.dropout:g} makes a random sample: set lora.dropout=0, or "
                               f"policy.anchor=recompute (a score pass without dropout)")
+    if cfg.rollout.state_dtype != "fp32" and cfg.engine != "native":
+        raise UnisonError(f"rollout.state_dtype={cfg.rollout.state_dtype} rounds the native engine's recurrent state "
+                          f"(vLLM keeps its own: its mamba_ssm_cache_dtype): set engine=native, or "
+                          f"rollout.state_dtype=fp32")
     truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k
     if truncated and cfg.rollout.replay_sampling_mask and cfg.engine != "native":
         raise UnisonError(f"rollout.replay_sampling_mask needs the support each token was sampled from, which "
@@ -239,6 +243,7 @@ def check_data(cfg: Config, task, world_size: int) -> None:
 def check_context(cfg: Config, model_dir: Path, task, prompt_ids) -> None:
     config = model_config(model_dir)
     check_kv_cache_model(cfg.rollout.kv_cache_dtype, config, cfg.exact)
+    check_state_dtype(cfg.rollout.state_dtype, config)
     limit = getattr(config, "max_position_embeddings", None)
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     need = len(prompt_ids[longest]) + tokens_after_prompt(cfg)

@@ -75,6 +75,10 @@ class ProbeConfig:
     kv_caches: list[str] = field(default_factory=lambda: ["auto"])
     #: a quantized cache's scales: sync (measured by the arm's batch) or one
     kv_cache_scales: str = "sync"
+    #: a recurrent model's state between the engine's decode steps: fp32 or model (rollout.state_dtype)
+    state_dtype: str = "fp32"
+    #: sample past EOS up to max_new_tokens (responses of a fixed length: the mismatch by response length)
+    ignore_eos: bool = False
     #: top-p values to sample with (1.0 = off): one arm each; truncated arms are scored without and with
     #: sampling-mask replay
     top_ps: list[float] = field(default_factory=lambda: [1.0])
@@ -293,7 +297,7 @@ class Arm:
     def engine_side(self, cfg: ProbeConfig) -> Side:
         return Side(dtype=self.precision.rollout_dtype, quantization=self.quantization,
                     group_size=cfg.quant_group_size, kv_cache=self.kv_cache, kv_scales=cfg.kv_cache_scales,
-                    routing_replay=True, compiled=bool(sides(self.compile)[0]),
+                    state=cfg.state_dtype, routing_replay=True, compiled=bool(sides(self.compile)[0]),
                     exact=self.exact)
 
     def learner_side(self, cfg: ProbeConfig, params: str = "fp32", quantized: bool = False,
@@ -426,7 +430,7 @@ def _sample(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, width: int, learner
         if arm.exact:
             engine.exact.ops = learners.exact_ops
         params = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                                seed=cfg.seed, top_p=arm.top_p, top_k=arm.top_k)
+                                seed=cfg.seed, top_p=arm.top_p, top_k=arm.top_k, ignore_eos=cfg.ignore_eos)
         log(f"[probe] {arm.label}: sampling {len(inputs.prompt_ids)} prompts x {cfg.n} "
             f"(max {cfg.max_new_tokens} new tokens)")
         t0 = time.perf_counter()
@@ -473,7 +477,7 @@ def _score(arm: Arm, cfg: ProbeConfig, inputs: ProbeInputs, scorer, sampled: Sam
     lengths = batch.response_lens
     prec = arm.precision
     row = {**({"task": cfg.task} if cfg.task else {}), "engine": arm.engine, "precision": prec.label,
-           "quantization": arm.quantization, "kv_cache": arm.kv_cache, "param_dtype": pd, "exact": arm.exact, "quantization_aware": qa,
+           "quantization": arm.quantization, "kv_cache": arm.kv_cache, "state_dtype": cfg.state_dtype, "param_dtype": pd, "exact": arm.exact, "quantization_aware": qa,
            "top_p": arm.top_p, "top_k": arm.top_k, "replay_sampling_mask": replay, "compile": arm.compile,
            "lora_rank": arm.lora_rank, **metrics, "num_responses": batch.size,
            "mean_response_length": float(lengths.float().mean()),
@@ -497,7 +501,7 @@ def _locate(arm: Arm, scorer, sampled: Sampled, row: dict, log) -> dict:
     first part, op by op."""
     with scorer.as_side(Side(dtype=arm.precision.learner_dtype)):
         found = locate.compare(sampled.engine_ops, locate.learner_trace(scorer, sampled.traced, scorer.temperature),
-                               sampled.traced, arm.precision.rollout_dtype, len(scorer.model.model.layers))
+                               sampled.traced, arm.precision.rollout_dtype, locate.op_names(scorer.model))
     log(f"[probe] {arm.label}: engine and learner first part at "
         f"{found['first_above'] or 'no op (every op within its rounding)'}; full-vocabulary KL "
         f"{found['full_kl_mean']:.3g} per position (max {found['full_kl_max']:.3g})")

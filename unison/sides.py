@@ -9,6 +9,9 @@ Every numerics knob of a run is a field of a Side, decided once at start (``mach
   engine's under ``train.quantization_aware``, else ``none``);
 * ``kv_cache`` and ``kv_scales`` — the attention cache's format and its scales (``rollout.kv_cache_dtype``,
   ``rollout.kv_cache_scales``; the learner's is the engine's under ``train.kv_cache_aware``, else ``auto``);
+* ``state`` — a recurrent model's state between decode steps (``rollout.state_dtype``: ``fp32`` or ``model``, the
+  compute dtype); the learner's chunked scan keeps fp32 (transformers' kernels), so a rounded state is part of the
+  ledger's ``decode`` term;
 * ``support_replay`` — log-probs over the support each token was sampled from (the engine's own, always; the
   learner's with ``rollout.replay_sampling_mask``); ``routing_replay`` — MoE experts as the engine chose them
   (the engine's own, always; the learner's with ``moe.routing_replay``);
@@ -48,6 +51,7 @@ class Side:
     group_size: int = 64
     kv_cache: str = "auto"
     kv_scales: str = "sync"
+    state: str = "fp32"
     support_replay: bool = True
     routing_replay: bool = False
     compiled: bool = False
@@ -69,6 +73,11 @@ class Side:
     def cast_params(self) -> bool:
         """Parameters cast to the compute dtype for the forward (not fp32 masters under autocast)."""
         return self.params == "compute" and self.dtype != torch.float32
+
+    @property
+    def rounds_state(self) -> bool:
+        """The recurrent state is rounded to the compute dtype between decode steps (``state`` model, not fp32)."""
+        return self.state == "model" and self.dtype != torch.float32
 
     def differs(self, other: Side, *, truncated: bool = True, moe: bool = True) -> list[str]:
         """The knob terms of the mismatch ledger from this side (the engine) to ``other`` (the learner), in the
@@ -95,6 +104,8 @@ class Side:
             parts.append(f"{self.quantization}{f' g{self.group_size}' if self.quantization == 'int4' else ''} weights")
         if self.kv_cache != "auto":
             parts.append(f"{self.kv_cache} KV cache ({self.kv_scales} scales)")
+        if self.rounds_state:
+            parts.append(f"{self.precision} recurrent state")
         if self.exact:
             parts.append("exact")
         if self.compiled:
@@ -112,7 +123,8 @@ def config_sides(cfg, prec, world_size: int = 1, gemm: tuple[str, str] = ("blas"
     (unset: ``compute``, but fp32 under the quantization-aware learner, which quantizes the master FSDP2 gathers)."""
     r, t = cfg.rollout, cfg.train
     engine = Side(dtype=prec.rollout_dtype, quantization=r.quantization, group_size=r.quant_group_size,
-                  kv_cache=r.kv_cache_dtype, kv_scales=r.kv_cache_scales, support_replay=True, routing_replay=True, compiled=compiled[0], gemm=gemm[0], exact=cfg.exact)
+                  kv_cache=r.kv_cache_dtype, kv_scales=r.kv_cache_scales, state=r.state_dtype, support_replay=True,
+                  routing_replay=True, compiled=compiled[0], gemm=gemm[0], exact=cfg.exact)
     params = "fp32"
     if world_size > 1:
         params = cfg.distributed.param_dtype or ("fp32" if t.quantization_aware else "compute")

@@ -35,26 +35,36 @@ ARCHITECTURES: dict[str, dict] = {
     "qwen3_moe": dict(_DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     "mixtral": dict(_DENSE, num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(_DENSE, num_experts=8, num_experts_per_tok=2),
-    # hybrid / state-space (issue 54): Gated DeltaNet layers 0-2 and gated attention in layer 3; Mamba2 blocks only
-    "qwen3_next": dict(_DENSE, num_hidden_layers=4, num_experts=0, linear_num_value_heads=4, linear_num_key_heads=2,
-                       linear_key_head_dim=16, linear_value_head_dim=16),
+    # hybrid / state-space (issue 54), contexts of 2048 (the probe's 1024-token responses): Gated DeltaNet layers 0-2
+    # and gated attention in layer 3; Mamba2 blocks only; Nemotron-H: a Mamba2 mixer, an MLP, attention, an MLP (one
+    # block type a layer); Falcon-H1: attention and a Mamba2 mixer side by side in every layer, chunks of 8 tokens
+    "qwen3_next": dict(_DENSE, max_position_embeddings=2048, num_hidden_layers=4, num_experts=0,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16),
     "mamba2": dict(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=1,
                    expand=2),
+    "nemotron_h": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=2048, n_routed_experts=0, ssm_state_size=16,
+                       layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=8,
+                       mamba_head_dim=16, n_groups=1, chunk_size=8),
+    "falcon_h1": dict(_DENSE, max_position_embeddings=2048, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                      mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8),
 }
 #: the hybrid and state-space models among them (their own recurrent decode; no packing)
-RECURRENT = ("qwen3_next", "mamba2")
+RECURRENT = ("qwen3_next", "mamba2", "nemotron_h", "falcon_h1")
 
 
-def build(model_type: str, out_dir: str | Path, seed: int = 0, init_std: float = 0.1) -> Path:
+def build(model_type: str, out_dir: str | Path, seed: int = 0, init_std: float = 0.1, **overrides) -> Path:
     """A random ``model_type`` model (std ``init_std``: peaked outputs, as trained LMs have)
-    with the character tokenizer, saved to ``out_dir``."""
+    with the character tokenizer, saved to ``out_dir``; ``overrides`` replace config keys of :data:`ARCHITECTURES`
+    (e.g. a wider model for an experiment)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = build_char_tokenizer()
     cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                initializer_range=init_std, tie_word_embeddings=False,
-                               **ARCHITECTURES[model_type])
+                               **{**ARCHITECTURES[model_type], **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)

@@ -135,6 +135,11 @@ class RolloutConfig(_Section):
     #: the format's largest value over the real prompt tokens of the first batch after each weight sync: vLLM's
     #: calculate_kv_scales, refreshed at every refit) | one (scale 1: vLLM without calibrated scales)
     kv_cache_scales: Literal["sync", "one"] = "sync"
+    #: a hybrid's or state-space model's recurrent state between decode steps (issue 54): fp32
+    #: (transformers' reference kernels, and the learner's chunked scan, always) | model (rounded to the compute
+    #: dtype after every step, as vLLM's mamba_ssm_cache_dtype=auto keeps it in a bf16 run). Native engine;
+    #: a no-op in fp32; refused for attention-only models
+    state_dtype: Literal["fp32", "model"] = "fp32"
     #: asynchronous off-policy RL (docs/async.md; **contract** key): the engine generates up to K batches
     #: ahead of the learner, so a sample is trained on by weights at most K updates newer than the ones
     #: that generated it. 0 = the synchronous loop. Native engine: a worker process of its own;

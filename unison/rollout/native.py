@@ -33,7 +33,7 @@ from unison.batch import Completion
 from unison.distributed import current
 from unison.errors import UnisonError
 from unison.exact import ExactForward, full_allowed
-from unison.models import FAST_PATH_TYPES, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
+from unison.models import FAST_PATH_TYPES, check_state_dtype, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
 from unison.quant import activation_quantizer, check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
 from unison.rollout.base import support_logsumexp
@@ -86,6 +86,9 @@ class NativeEngine:
                       and not exact)
             self.fast = FastWeights(self.model, packed, decode_rows)
 
+        #: rollout.state_dtype=model: a recurrent model's state rounded to the compute dtype after every forward
+        check_state_dtype(side.state, self.config)
+        self.state_round = dtype if side.rounds_state else None
         #: the generic path's forward arguments: Mamba2 takes its cache as ``cache_params`` and no position ids (its
         #: state is the position); every other model ``past_key_values`` and ``position_ids``
         params = inspect.signature(self.model.forward).parameters
@@ -473,11 +476,8 @@ class _GenericBackend:
 
     def select(self, keep):
         idx = keep.nonzero().squeeze(-1)
-        for layer in self.cache.layers:  # a linear-attention layer's states have no batch_select_indices: the
-            if hasattr(layer, "batch_select_indices"):  # row selection of beam search does the same on them
-                layer.batch_select_indices(idx)
-            else:
-                layer.reorder_cache(idx)
+        for layer in self.cache.layers:  # beam search's row selection: every layer kind has it, a linear-attention
+            layer.reorder_cache(idx)  # layer's states and a hybrid layer's (Falcon-H1: states and keys) included
         self.mask = self.mask[idx]
 
     def step(self, tok, pos, t):
@@ -487,6 +487,11 @@ class _GenericBackend:
     def _forward(self, ids, pos):
         kw = {self.cache_arg: self.cache, **({"position_ids": pos} if self.positions else {})}
         out = self.eng.model(input_ids=ids, attention_mask=self.mask, use_cache=True, logits_to_keep=1, **kw)
+        if self.eng.state_round is not None:  # the state as a cache in the compute dtype holds it (in place: the
+            for layer in self.cache.layers:  # model reads the tensor it wrote)
+                for state in getattr(layer, "recurrent_states", {}).values():
+                    if state is not None:
+                        state.copy_(state.to(self.eng.state_round))
         return out.logits[:, -1]
 
     def hidden(self, ids, key_ok, pos, want):
