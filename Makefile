@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# the reference the block formats are tested against, outside site-packages: transformers imports an installed
+	# torchao on every model load (tests/test_quant_reference.py runs it in a subprocess of its own)
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/reference -c constraints.txt torchao
 	touch $(STAMP)
 
 demo: install

@@ -1,6 +1,7 @@
 """The block formats against a reference implementation (issue 55, item 1): torchao's MX and NVFP4 quantizers
-(torchao.prototype.mx_formats, pinned in the dev extras), run in a subprocess so that importing torchao (its custom
-ops, its pytree registrations) cannot change the rest of the suite's process.
+(torchao.prototype.mx_formats, pinned in constraints.txt), run in a subprocess with torchao on its path. `make
+install` puts torchao in .venv/reference, not in site-packages: transformers imports an installed torchao on every
+model load (noise on every run's console, and its custom ops in every process).
 
 Weights whose rows span five decades (so blocks of every size meet the e8m0 and e4m3 scales' ranges, zero blocks
 included): MXFP8 and MXFP4 (OCP MX v1.0, torchao's FLOOR scale mode) agree bit for bit. NVFP4 agrees bit for bit on
@@ -10,8 +11,14 @@ scale (e4m3 holds it) — the test pins that those are the only elements that di
 that weights shaped like a trained model's (std 0.02, rare outliers) agree bit for bit."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+REFERENCE = Path(sys.prefix) / "reference"
 
 SCRIPT = r'''
 import json, warnings
@@ -44,8 +51,11 @@ print("RESULT " + json.dumps(out))
 '''
 
 
+@pytest.mark.skipif(not (REFERENCE / "torchao").is_dir(), reason=f"torchao is not in {REFERENCE}: `make install` puts it "
+                    f"there (pip install --no-deps --target {REFERENCE} torchao==0.18.0)")
 def test_block_formats_agree_with_torchao():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REFERENCE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-2000:]
     out = json.loads(line[0].removeprefix("RESULT "))
