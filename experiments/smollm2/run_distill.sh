@@ -5,7 +5,8 @@
 #   grpo          the task's reward alone
 #   opd_sampled   the teacher's per-token reverse KL as the advantage (distill.estimator=sampled)
 #   opd_full      the exact per-position reverse KL over the 49k vocabulary, minimised (distill.estimator=full)
-# What it reports (docs/experiments/smollm2.md): the steps each arm takes to 80% of the teacher's training accuracy.
+# What it reports (docs/experiments/distillation.md, experiments/smollm2/analyze_distill.py): the steps each arm
+# takes to 80% of the teacher's training accuracy.
 #   bash experiments/smollm2/run_distill.sh       (one run at a time, two threads)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
