@@ -105,6 +105,11 @@ CASES = {
         ["probe", "--precision", "fp32,fp8", "--out", str(e.out)], e.out, "set rollout.quantization=fp8"),
     "probe-unknown-engine": lambda e: (
         ["probe", "--engine", "sglang", "--out", str(e.out)], e.out, "unknown engine 'sglang'"),
+    "probe-state-dtype-on-an-attention-model": lambda e: (
+        ["probe", "--state-dtype", "model", "--out", str(e.out)], e.out, "--state-dtype=model rounds the recurrent"),
+    "probe-state-dtype-on-vllm": lambda e: (
+        ["probe", "--state-dtype", "model", "--engine", "vllm", "--out", str(e.out)], e.out,
+        "--state-dtype rounds the native engine's recurrent state"),
     "probe-locate-on-vllm": lambda e: (
         ["probe", "--locate", "--engine", "vllm", "--out", str(e.out)], e.out, "--locate reads the engine's hidden"),
     "probe-locate-rows-zero": lambda e: (

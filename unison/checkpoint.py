@@ -168,7 +168,7 @@ def read_model(scorer, path: Path) -> dict[str, torch.Tensor]:
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights.update(load_file(f))
-    if set(weights) != set(scorer.model.state_dict()) and (path / "config.json").exists():
+    if set(weights) - set(scorer.model.state_dict()) and (path / "config.json").exists():
         # save_pretrained writes some models in their hub layout (Nemotron-H: backbone.*, the module model.*):
         # transformers' loader maps them back, bit for bit (fp32 in, fp32 out)
         weights = load_model(path).state_dict()

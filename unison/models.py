@@ -390,12 +390,12 @@ def check_not_recurrent(config, model_dir) -> None:
                           f"gemma, gpt2, ...)")
 
 
-def check_state_dtype(state_dtype: str, config) -> None:
-    """``rollout.state_dtype=model`` rounds a recurrent state: refused for a model that has none."""
+def check_state_dtype(state_dtype: str, config, key: str = "rollout.state_dtype") -> None:
+    """``rollout.state_dtype=model`` (the probe's ``--state-dtype``: ``key``) rounds a recurrent state: refused for
+    a model that has none."""
     if state_dtype != "fp32" and not is_recurrent(config):
-        raise UnisonError(f"rollout.state_dtype={state_dtype} rounds the recurrent state of a hybrid or state-space "
-                          f"model ({', '.join(RECURRENT_RUN)}), and {config.model_type} has none: set "
-                          f"rollout.state_dtype=fp32")
+        raise UnisonError(f"{key}={state_dtype} rounds the recurrent state of a hybrid or state-space model "
+                          f"({', '.join(RECURRENT_RUN)}), and {config.model_type} has none: set {key}=fp32")
 
 
 def model_config(model_dir: Path):

@@ -32,7 +32,7 @@ from unison.locate import check_locatable
 from unison.lora import _lora_layers
 from unison.mismatch import length_slope, mismatch_metrics, seq_log_ratio
 from unison.models import load_tokenizer, model_config, resolve_model_dir
-from unison.models import model_shell
+from unison.models import check_state_dtype, model_shell
 from unison.policy import ScoringOptions
 from unison.precision import Precision, parse_precision
 from unison.preflight import check_device
@@ -176,6 +176,9 @@ def _check_options(cfg: ProbeConfig) -> tuple[list[str], list[str], list[str]]:
     if cfg.locate and engines != ["native"]:
         raise UnisonError("--locate reads the engine's hidden states layer by layer, which only the native engine "
                           "exposes (vLLM keeps them inside its model runner): use --engine native")
+    if cfg.state_dtype != "fp32" and engines != ["native"]:
+        raise UnisonError("--state-dtype rounds the native engine's recurrent state (vLLM keeps its own): use --engine "
+                          "native")
     for e in engines:
         check_engine_available(e)
     if not precisions:
@@ -232,7 +235,9 @@ def validate(cfg: ProbeConfig) -> ProbeInputs:
     else:
         prompts = load_prompts(cfg.prompts, line_numbers=lines)
     model_dir = resolve_model_dir(cfg.model)
-    limit = getattr(model_config(model_dir), "max_position_embeddings", None)
+    config = model_config(model_dir)
+    check_state_dtype(cfg.state_dtype, config, "--state-dtype")
+    limit = getattr(config, "max_position_embeddings", None)
     tokenizer = load_tokenizer(model_dir)
     if task is not None:
         task.prepare(tokenizer, cfg.model or "builtin:tiny")

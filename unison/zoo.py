@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from unison.models import build_char_tokenizer
+from unison.models import RECURRENT_RUN, build_char_tokenizer
 
 _DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
@@ -51,7 +51,7 @@ ARCHITECTURES: dict[str, dict] = {
                       mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8),
 }
 #: the hybrid and state-space models among them (their own recurrent decode; no packing)
-RECURRENT = ("qwen3_next", "mamba2", "nemotron_h", "falcon_h1")
+RECURRENT = tuple(t for t in ARCHITECTURES if t in RECURRENT_RUN)
 
 
 def build(model_type: str, out_dir: str | Path, seed: int = 0, init_std: float = 0.1, **overrides) -> Path:
