@@ -213,6 +213,7 @@ def test_resume_with_dapo_refills_in_flight_equals_the_uninterrupted_run(tmp_pat
     assert not before & set(_prompts(tmp_path / "old", 3) + _prompts(tmp_path / "old", 4))
 
 
+@pytest.mark.slow  # the DAPO resume test above runs the same older checkpoint through the refill loop
 def test_a_checkpoint_without_older_versions_regenerates_the_same_job_fresher(tmp_path, rewards):
     # an older unison's checkpoint (no versions/): the job in flight is the uninterrupted run's, the same
     # prompts (and seeds), regenerated from version 2 (the checkpoint's) instead of version 1

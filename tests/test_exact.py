@@ -189,7 +189,7 @@ def test_a_blas_that_changes_with_the_row_count_keeps_exact_mode_exact(tiny_dir,
 def test_the_self_check_picks_a_block_this_blas_is_invariant_for(tiny_dir, monkeypatch):
     """Rows at positions >= 12 of a call take an edge kernel: blocks of 16 or 32 rows would give a row
     other bits by where it sits, blocks of 8 do not — the start-up check finds that."""
-    from unison.exact import self_check
+    from unison.exact_check import self_check
 
     real = torch.nn.functional.linear
 
@@ -208,7 +208,7 @@ def test_the_self_check_picks_a_block_this_blas_is_invariant_for(tiny_dir, monke
 
 
 def test_a_blas_no_block_helps_is_refused_in_one_line(tiny_dir, monkeypatch):
-    from unison.exact import self_check
+    from unison.exact_check import self_check
 
     real = torch.nn.functional.linear
     _use_blas(monkeypatch, lambda x, w, b=None: real(x, w, b) + (torch.arange(x.shape[0]) % 2)[:, None] * 1e-3

@@ -186,8 +186,8 @@ def _adds_up(rows, terms, first=1):
     (["rollout.top_p=0.8", "rollout.replay_sampling_mask=false"], ["decode", "engine", "truncation"], "truncation"),
     # LoRA: the older version is the weight ring's merged copy, scored with the adapters off; the current one too,
     # merged, before the merge term takes it through the adapters
-    (["rollout.max_staleness=1", "train.lr=1e-2", "lora.rank=4", "lora.alpha=8"],
-     ["decode", "engine", "staleness", "merge"], "staleness"),
+    pytest.param(["rollout.max_staleness=1", "train.lr=1e-2", "lora.rank=4", "lora.alpha=8"],
+                 ["decode", "engine", "staleness", "merge"], "staleness", marks=pytest.mark.slow),  # K=1-int4-LoRA has it
     # and with the ledger's own quantizer: an older version's merged weights quantized as they are (the adapters
     # were added a second time on top: engine k3 0.14–0.25 in fp32, issue 51 item 3)
     (["rollout.max_staleness=1", "train.lr=1e-2", "rollout.quantization=int4", "rollout.quant_group_size=32",

@@ -160,7 +160,8 @@ def broken_lr(run_dir):
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["optim/lr"]
 
 
-@pytest.mark.parametrize("regime,seeds,workers", [("stale", "0,1", "2"), ("int4", "0", "1"), ("nvfp4", "0", "1")])
+@pytest.mark.parametrize("regime,seeds,workers", [("stale", "0,1", "2"), ("nvfp4", "0", "1"),
+                                                 pytest.param("int4", "0", "1", marks=pytest.mark.slow)])
 def test_demo_end_to_end_small(tmp_path, capsys, sft_model, regime, seeds, workers):
     """`unison demo` (make demo): the precision arms, then part 2's clean, broken and cured runs on two seeds, two
     processes at a time (int4: GRPO and the same run quantization-aware; stale: K = 4 naive and with the

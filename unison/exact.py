@@ -34,7 +34,8 @@ op, dtype and shape. What that cannot catch is caught at step 1 with the op, lay
 where the two sides first diverge (:func:`divergence_report`).
 
 Families: Llama, Mistral (no sliding window in use), Qwen2 (attention biases), Qwen3 (q/k norms),
-SiLU MLPs, one process. Others are refused in one line. On GPUs the same rules need
+SiLU MLPs; Mamba2 and Nemotron-H (unison/exact_ssm.py) and Qwen3-Next (unison/exact_gdn.py), whose scans run as the
+recurrence on both sides; one process. Others are refused in one line. On GPUs the same rules need
 batch-invariant kernels (docs/exact.md): refused until a GPU route has run.
 """
 
@@ -44,21 +45,39 @@ import torch
 import torch.nn.functional as F
 
 from unison.errors import UnisonError
-from unison.mismatch import first_difference
 from unison.models import decode_path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+#: the state-space and hybrid families: Mamba2 and Nemotron-H (unison/exact_ssm.py), Qwen3-Next (unison/exact_gdn.py)
+SSM_FAMILIES = ("mamba2", "nemotron_h", "qwen3_next")
 #: (rows per block of the token-wise ops, query rows per attention block, rows per output-layer block):
 #: benchmarks/exact_cost.py measured the cost of each; the start-up self-check falls back in this order
 BLOCKS = ((16, 4, 64), (32, 8, 64), (8, 2, 8), (64, 16, 64))
 
 
 def check_supported(config, where: str = "exact mode") -> None:
+    if config.model_type in SSM_FAMILIES:
+        _check_ssm(config, where)
+        return
     if config.model_type not in FAMILIES or decode_path(config) != "fast":
-        raise UnisonError(f"{where} runs Llama, Mistral (without a sliding window), Qwen2 and Qwen3 models; "
-                          f"'{config.model_type}' is not one: turn exact off for this model")
+        raise UnisonError(f"{where} runs Llama, Mistral (without a sliding window), Qwen2, Qwen3, Mamba2, Nemotron-H "
+                          f"and Qwen3-Next models; '{config.model_type}' is not one: turn exact off for this model")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnisonError(f"{where} needs a SiLU MLP; this model uses {config.hidden_act}: turn exact off")
+
+
+def _check_ssm(config, where: str) -> None:
+    if config.model_type == "qwen3_next":
+        if getattr(config, "num_experts", 0) or getattr(config, "hidden_act", "silu") != "silu":
+            raise UnisonError(f"{where} runs Qwen3-Next with dense SiLU MLPs, and this one has "
+                              f"{config.num_experts} experts: turn exact off for this model")
+        return
+    act = getattr(config, "mamba_hidden_act", getattr(config, "hidden_act", "silu"))
+    kinds = set(getattr(config, "layers_block_type", None) or ["linear_attention"])
+    if act != "silu" or not kinds <= {"linear_attention", "full_attention", "mlp"} or \
+            ("mlp" in kinds and getattr(config, "mlp_hidden_act", "relu2") != "relu2"):
+        raise UnisonError(f"{where} runs {config.model_type} with SiLU mixers and dense ReLU² MLPs (no MoE blocks); "
+                          f"this config has blocks {sorted(kinds)}: turn exact off for this model")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,6 +100,50 @@ def token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float, 
     with torch.no_grad():
         ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
     return logp, ent
+
+
+#: elements per vector step of PyTorch's CPU elementwise loop, for every dtype and ISA (2 × 512 bits of bf16)
+LANES = 64
+#: PyTorch's grain: an elementwise call of more elements may be split between threads at any element
+GRAIN = 32768
+
+
+def whole_vectors(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn``, every element computed by the vector code. PyTorch's CPU loops compute
+    the last elements of a call (and of each thread's share) in scalar code, whose fp32 SiLU, sigmoid and softplus
+    differ from the vector code's in the last bit — so a value's bits would depend on how many share the call. Here
+    the input is flattened, zero-padded to a multiple of :data:`LANES`, in calls of at most :data:`GRAIN` elements
+    (one thread)."""
+    n = x.numel()
+    flat = x.reshape(-1)
+    pad = (-n) % LANES
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    out = fn(flat) if flat.numel() <= GRAIN else torch.cat([fn(c) for c in flat.split(GRAIN)])
+    return out[:n].view(x.shape)
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dim, by halves (a fixed pairwise tree of elementwise adds; zero-padded to a power of 2)."""
+    w = x.shape[-1]
+    p = 1 << (w - 1).bit_length()
+    if p != w:
+        x = F.pad(x, (0, p - w))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def causal_conv(seq: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, s: int) -> torch.Tensor:
+    """A depthwise causal convolution's last ``s`` outputs over ``seq`` [b, k − 1 + s, channels] (the window of
+    earlier inputs, then this call's), weights ``w`` [channels, k]: the taps multiplied and added elementwise in one
+    order, in fp32 — the same bits for one new input (the engine's decode) as for a whole sequence (the learner)."""
+    wf = w.float()
+    acc = seq[:, 0:s].float() * wf[:, 0]
+    for j in range(1, w.shape[1]):
+        acc = acc + seq[:, j:j + s].float() * wf[:, j]
+    return acc if bias is None else acc + bias.float()
 
 
 class _Blocked(torch.autograd.Function):
@@ -126,7 +189,7 @@ class _Blocked(torch.autograd.Function):
         return (None, None, gl[0], *[next(it) if is_t else None for is_t in ctx.tensor_at])
 
 
-def _blocked(value, fn, x, *params):
+def blocked(value, fn, x, *params):
     """``value()`` (blocked, exact) in the forward; with gradients wanted, the one-call gradient of ``fn``."""
     wants = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *params))
     if not wants:
@@ -161,7 +224,7 @@ class ExactOps:
         ``R`` rows (``block`` if not given; the last one zero-padded); ``fn`` must act row by row."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        out = _blocked(lambda: self._each_block(fn, x2, *params, R=R), fn, x2, *params)
+        out = blocked(lambda: self._each_block(fn, x2, *params, R=R), fn, x2, *params)
         return out.reshape(*lead, out.shape[-1])
 
     def linear(self, x, w, b=None):
@@ -179,7 +242,7 @@ class ExactOps:
         sequence and key head at once; each matrix of it is [q_heads_per_kv_head · attn_block, d] @ [d, K]
         and its softmax [.., K]: one shape, whatever ``b`` and ``s`` (the number of matrices in the
         call varies; the self-check compares one sequence alone with several)."""
-        return _blocked(lambda: self._attend_blocks(q, k, v, allowed, scaling), _attend_whole, q, k, v, allowed,
+        return blocked(lambda: self._attend_blocks(q, k, v, allowed, scaling), _attend_whole, q, k, v, allowed,
                         scaling)
 
     def _attend_blocks(self, q, k, v, allowed, scaling):
@@ -214,7 +277,7 @@ class ExactOps:
             z = self._each_block(F.linear, h, head, R=self.head_block)
             return self._blocks(lambda zb, tb: token_logp(zb, tb, temperature, want_entropy), z, targets, want_entropy)
 
-        return _blocked(value, _head_logp, h, head, targets, temperature)
+        return blocked(value, _head_logp, h, head, targets, temperature)
 
     def token_logp(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """log p(target) of logit rows [N, V] (from :meth:`logits`) on blocks of ``head_block`` rows (the engine)."""
@@ -310,15 +373,31 @@ class ExactForward:
         return {"layers": layers, "embed": c(lm.model.embed_tokens.weight), "norm": c(lm.model.norm.weight),
                 "head": c(lm.lm_head.weight)}
 
-    def hidden(self, w: dict, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor,
-               cache: list | None = None, start: int = 0, trace: dict | None = None) -> torch.Tensor:
-        """Final-normed hidden states of ``ids`` [b, s] at positions ``pos``.
+    def new_cache(self, B: int, K: int, dtype: torch.dtype, device) -> list:
+        """The engine's cache: per layer (keys, values) [B, kv_heads, K, head_dim]."""
+        shape = (B, self.n_kv, K, self.head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(self.n_layers)]
 
-        ``allowed`` [b, s, K] says which of the K key slots each query attends to (every row
-        allows at least itself). With ``cache`` (per layer ``(k, v)`` [b, kv_heads, K, d]) the
-        new keys/values are written at ``start`` and attention runs over the whole cache; without
-        one, ``s == K`` and the forward's own keys are the K slots (the learner's full forward).
-        ``trace`` (for :func:`divergence_report`) receives every op's output, by (layer, op).
+    def shapes(self, K: int) -> dict:
+        """Every blocked op shape the forward runs, by name (the start-up self-check's)."""
+        cfg = self.lm.config
+        H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        return {"linear": sorted({(H, (nh + 2 * nkv) * hd, self.bias), (nh * hd, H, False), (H, 2 * I, False),
+                                  (I, H, False)}),
+                "rms_norm": sorted({H, hd} if self.qk_norm else {H}), "attention": (nh, nkv, hd, K),
+                "log-softmax": (H, V)}
+
+    def hidden(self, w: dict, ids: torch.Tensor, pos: torch.Tensor, key_ok: torch.Tensor,
+               cache: list | None = None, start: int = 0, trace: dict | None = None) -> torch.Tensor:
+        """Final-normed hidden states of ``ids`` [b, s] at positions ``pos``: the tokens at columns ``start``.. of
+        the layout whose real key slots ``key_ok`` [b, K] marks (:func:`allowed_keys`: each query attends to the
+        real keys up to its own column, and to itself).
+
+        With ``cache`` (:meth:`new_cache`) the new keys/values are written at ``start`` and attention runs over
+        the whole cache; without one, ``s == K`` and the forward's own keys are the K slots (the learner's full
+        forward). ``trace`` (for :func:`divergence_report`) receives every op's output, by (layer, op).
         """
         ops, eps = self.ops, self.eps
         b, s = ids.shape
@@ -340,16 +419,11 @@ class ExactForward:
                 q, k = ops.norm(q, L["qn"], eps), ops.norm(k, L["kn"], eps)
             q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             v = v.transpose(1, 2)
-            if cache is not None:
-                kc, vc = cache[i]
-                kc[:, :, start:start + s] = k
-                vc[:, :, start:start + s] = v
-                k, v = kc, vc
-            o = keep(i, "attention", ops.attend(q, k, v, allowed, self.scaling))
+            o = keep(i, "attention", attend_cached(ops, q, k, v, key_ok, start, cache and cache[i], self.scaling))
             o = o.transpose(1, 2).reshape(b, s, q_size)
             h = keep(i, "attention output", h + ops.linear(o, L["o"]))
             gate, up = ops.linear(ops.norm(h, L["ln2"], eps), L["gu"]).chunk(2, dim=-1)
-            h = keep(i, "MLP", h + ops.linear(F.silu(gate) * up, L["down"]))
+            h = keep(i, "MLP", h + ops.linear(whole_vectors(F.silu, gate) * up, L["down"]))
         return keep(self.n_layers, "final norm", ops.norm(h, w["norm"], eps))
 
     def logits(self, w: dict, h: torch.Tensor) -> torch.Tensor:
@@ -364,7 +438,7 @@ def learner_logprobs(fwd: ExactForward, w: dict, tokens: torch.Tensor, key_ok: t
     recomputes the chunk's logits in the backward (as a checkpoint would)."""
     b, K = tokens.shape
     pos = (key_ok.long().cumsum(-1) - 1).clamp(min=0)
-    h = fwd.hidden(w, tokens, pos, full_allowed(key_ok))
+    h = fwd.hidden(w, tokens, pos, key_ok)
     sel = key_ok[:, 1:] & positions[:, 1:].bool()
     hs, tg = h[:, :-1][sel], tokens[:, 1:][sel]
 
@@ -386,151 +460,21 @@ def learner_logprobs(fwd: ExactForward, w: dict, tokens: torch.Tensor, key_ok: t
     return logp, F.pad(ent, (1, 0))
 
 
-def full_allowed(key_ok: torch.Tensor) -> torch.Tensor:
-    """[b, K, K]: query i attends to real keys j ≤ i, and every query to itself (pad rows stay finite)."""
+def attend_cached(ops: ExactOps, q, k, v, key_ok: torch.Tensor, start: int, cache, scaling: float) -> torch.Tensor:
+    """Attention of this call's queries [b, heads, s, d]: with ``cache`` (keys, values) [b, kv_heads, K, d], the new
+    keys and values written at ``start`` and every query over the whole cache; without one, over its own K keys."""
+    if cache:
+        kc, vc = cache
+        kc[:, :, start:start + q.shape[2]] = k
+        vc[:, :, start:start + q.shape[2]] = v
+        k, v = kc, vc
+    return ops.attend(q, k, v, allowed_keys(key_ok, start, q.shape[2]), scaling)
+
+
+def allowed_keys(key_ok: torch.Tensor, start: int, s: int) -> torch.Tensor:
+    """[b, s, K]: the query at column ``start + i`` attends to the real keys up to its own column, and to itself
+    (pad rows stay finite)."""
     K = key_ok.shape[1]
-    causal = torch.ones((K, K), dtype=torch.bool, device=key_ok.device).tril()
-    eye = torch.eye(K, dtype=torch.bool, device=key_ok.device)
-    return (causal[None] & key_ok[:, None, :]) | eye[None]
-
-
-# ------------------------------------------------------------------ the start-up self-check
-def _shapes(fwd: ExactForward, K: int) -> dict:
-    """Every op shape the exact forward runs, by name."""
-    cfg = fwd.lm.config
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    hd, nh, nkv = fwd.head_dim, fwd.n_heads, fwd.n_kv
-    return {"linear": sorted({(H, (nh + 2 * nkv) * hd, fwd.bias), (nh * hd, H, False), (H, 2 * I, False),
-                              (I, H, False)}),
-            "rms_norm": sorted({H, hd} if fwd.qk_norm else {H}), "attention": (nh, nkv, hd, K), "log-softmax": (H, V)}
-
-
-def _roll_equal(fn, x: torch.Tensor, shifts) -> bool:
-    """Whether ``fn``'s rows follow its input rows when they are moved to other rows of the block."""
-    y = fn(x)
-    return all(torch.equal(fn(x.roll(p, 0)), y.roll(p, 0)) for p in shifts)
-
-
-def _check_ops(ops: ExactOps, shapes: dict, dtype: torch.dtype, gen: torch.Generator) -> str | None:
-    """None if every op gives a row the same bits wherever it sits and whatever else is in its block
-    (and in calls of any size, through the block wrapper); else "op, dtype, shape"."""
-    R, Ra = ops.block, ops.attn_block
-    shifts = sorted({1, R // 2, R - 1} - {0})
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    name = str(dtype).removeprefix("torch.")
-    for n_in, n_out, bias in shapes["linear"]:
-        w, x = rnd(n_out, n_in) * n_in ** -0.5, rnd(9 * R + 5, n_in)  # ten blocks in one call
-        b = rnd(n_out) if bias else None
-        whole = ops.linear(x, w, b)
-        if not _roll_equal(lambda t, w=w, b=b: ops.linear(t, w, b), x[:R], shifts) or \
-                not torch.equal(ops.linear(x[R + 3:R + 4], w, b), whole[R + 3:R + 4]) or \
-                not torch.equal(ops.linear(x[:7], w, b), whole[:7]):
-            return f"matmul{' with bias' if bias else ''}, {name}, [{R}, {n_in}] x [{n_in}, {n_out}]"
-    for H in shapes["rms_norm"]:
-        g = rnd(H)
-        if not _roll_equal(lambda t, g=g: rms_norm(t, g, 1e-6), rnd(R, H), shifts):
-            return f"RMSNorm, {name}, [{R}, {H}]"
-    nh, nkv, hd, K = shapes["attention"]
-    q, k, v = rnd(3, nh, 2 * Ra + 1, hd), rnd(3, nkv, K, hd), rnd(3, nkv, K, hd)
-    allowed = torch.rand(3, 2 * Ra + 1, K, generator=gen) > 0.3
-    allowed[..., 0] = True
-    full = ops.attend(q, k, v, allowed, hd ** -0.5)  # three sequences in one call
-    for i, j in ((1, 0), (1, 1), (0, Ra), (2, 2 * Ra)):  # one row of one sequence alone
-        one = ops.attend(q[i:i + 1, :, j:j + 1], k[i:i + 1], v[i:i + 1], allowed[i:i + 1, j:j + 1], hd ** -0.5)
-        if not torch.equal(one, full[i:i + 1, :, j:j + 1]):
-            return (f"attention (scores, softmax, values), {name}, [{nh // nkv * Ra}, {hd}] x [{hd}, {K}] "
-                    f"per key head")
-    H, V = shapes["log-softmax"]
-    Rh = ops.head_block
-    head, h = rnd(V, H) * H ** -0.5, rnd(Rh + 3, H)
-    t = torch.randint(0, V, (Rh + 3,), generator=gen)
-    lp = ops.logp(h, head, t, 1.0)
-    engine = ops.token_logp(ops.logits(h[Rh:Rh + 1], head), t[Rh:Rh + 1], 1.0)  # the engine's one-row decode
-    if not torch.equal(engine, lp[Rh:Rh + 1]) or not all(
-            torch.equal(ops.logp(h[:Rh].roll(p, 0), head, t[:Rh].roll(p, 0), 1.0), lp[:Rh].roll(p, 0))
-            for p in sorted({1, Rh // 2, Rh - 1} - {0})):
-        return f"output layer and log-softmax, {name}, [{Rh}, {H}] x [{H}, {V}]"
-    return None
-
-
-def self_check(fwd: ExactForward, dtypes, cache_len: int) -> ExactOps:
-    """Choose the block sizes this machine gives the invariance for, for every op shape and dtype the
-    run uses; refuse in one line if none does. About a second for a 135M model (rows at several
-    positions of a block, calls of 1, 7 and 9·block + 5 rows, one sequence's attention alone and
-    among others)."""
-    failures = []
-    for blocks in BLOCKS:
-        ops = ExactOps(*blocks)
-        gen = torch.Generator().manual_seed(0)
-        problem = next((p for p in (_check_ops(ops, _shapes(fwd, cache_len), dt, gen) for dt in dtypes) if p), None)
-        if problem is None:
-            fwd.ops = ops
-            return ops
-        failures.append(problem)
-    raise UnisonError(f"exact mode cannot hold on this CPU: {failures[0]} gives a row different bits depending on "
-                      f"where it sits in the call (also with blocks of {', '.join(str(b[0]) for b in BLOCKS[1:])}); "
-                      f"set exact=false (and please report the CPU: `lscpu`)")
-
-
-# ------------------------------------------------------------------ when step 1 still differs
-def divergence_report(learner, engine, batch, rows, logp_pi) -> str:
-    """Where exact mode's two sides first differ: the row and position, and — replaying that row
-    alone through the engine's decode and the learner's forward — the first layer and op whose
-    outputs differ."""
-    where = first_difference(logp_pi[rows], batch.logp_mu[rows], batch.response_mask[rows]) or "nowhere"
-    try:
-        op = _first_divergent_op(learner, engine, batch, int(rows[(logp_pi[rows] != batch.logp_mu[rows])
-                                                                   .logical_and(batch.response_mask[rows].bool())
-                                                                   .any(-1).nonzero()[0, 0]]))
-    except Exception as e:  # noqa: BLE001 - the report must not hide the error it reports
-        op = f"the replay failed ({type(e).__name__})"
-    return f"{where}; {op}"
-
-
-def _first_divergent_op(learner, engine, batch, row: int) -> str:
-    """Replay one row through both sides' code with the engine's weights (the learner's θ_old casts
-    are exactly those; after the update the learner's own have moved on)."""
-    fwd_l, fwd_e = learner.exact, engine.exact
-    w_e = fwd_e.weights(engine.dtype)
-    w_l = w_e
-    tokens, key_ok = batch.tokens[row:row + 1], batch.attention_mask[row:row + 1].bool()
-    K = tokens.shape[1]
-    pos = (key_ok.long().cumsum(-1) - 1).clamp(min=0)
-    lt: dict = {}
-    with torch.no_grad():
-        fwd_l.hidden(w_l, tokens, pos, full_allowed(key_ok), trace=lt)
-        P = engine.prompt_width or int(batch.prompt_lens[row])
-        cache = [(torch.zeros(1, fwd_e.n_kv, K, fwd_e.head_dim, dtype=engine.dtype),
-                  torch.zeros(1, fwd_e.n_kv, K, fwd_e.head_dim, dtype=engine.dtype)) for _ in range(fwd_e.n_layers)]
-        ok = torch.zeros(1, K, dtype=torch.bool)
-        ok[:, :P] = key_ok[:, :P]
-        et: dict = {}
-        fwd_e.hidden(w_e, tokens[:, :P], pos[:, :P], full_allowed(ok)[:, :P], cache, 0, trace=et)
-        found = _compare(lt, et, slice(0, P))
-        if found:
-            return f"replayed alone, {found} first differs (prefill)"
-        cols = torch.arange(K)
-        for c in range(P, K - 1):
-            if not bool(key_ok[0, c]):
-                break
-            ok[:, c] = True
-            et = {}
-            fwd_e.hidden(w_e, tokens[:, c:c + 1], pos[:, c:c + 1], (ok & (cols <= c))[:, None, :], cache, c, trace=et)
-            found = _compare(lt, et, slice(c, c + 1))
-            if found:
-                return f"replayed alone, {found} first differs at position {c}"
-    return ("replayed alone the row agrees in every op: the weights differed (a sync that did not take) or the "
-            "other rows of the batch mattered")
-
-
-def _compare(full: dict, step: dict, cols: slice) -> str | None:
-    for key in step:  # in the order the forward ran them
-        a, b = full[key], step[key]
-        a = a[:, :, cols] if key[1] == "attention" else a[:, cols]
-        if not torch.equal(a, b):
-            layer, op = key
-            return f"layer {layer} {op}" if op != "final norm" else "the final norm"
-    return None
+    cols = torch.arange(K, device=key_ok.device)
+    q = torch.arange(start, start + s, device=key_ok.device)[:, None]
+    return (key_ok[:, None, :] & (cols <= q)[None]) | (cols == q)[None]

@@ -28,7 +28,7 @@ from unison import moe
 from unison.batch import RolloutBatch, micro_batches
 from unison.distributed import Dist, current, decoder_layers, full_tensor, shard
 from unison.errors import UnisonError
-from unison.exact import ExactForward
+from unison.exact_ssm import exact_forward
 from unison.exact import learner_logprobs
 from unison.logprobs import DEFAULT_CHUNK, PolicyForward, token_logprobs
 from unison.models import is_recurrent, load_model, model_shell, use_packed_attention
@@ -423,7 +423,7 @@ def _exact_forward(model, dist: Dist, peft):
     if peft is not None:
         raise UnisonError("exact mode does not take LoRA adapters yet (the engine would need the merged "
                           "weights computed as the learner computes them): set lora.rank=0 or exact=false")
-    return ExactForward(model)
+    return exact_forward(model)
 
 
 def _checkpoint_layer(layer: torch.nn.Module) -> None:

@@ -163,6 +163,9 @@ def _check_exact_settings(cfg: Config) -> None:
                           f"rollout.quantization is '{cfg.rollout.quantization}': set train.quantization_aware=true "
                           f"(the learner then computes through the same quantizer), rollout.quantization=none, "
                           f"or exact=false")
+    if cfg.rollout.state_dtype != "fp32":
+        raise UnisonError(f"exact mode keeps a recurrent state in fp32 on both sides, and rollout.state_dtype is "
+                          f"'{cfg.rollout.state_dtype}': set rollout.state_dtype=fp32 or exact=false")
     if cfg.rollout.max_staleness:
         raise UnisonError(f"exact mode needs the engine and the learner to hold equal weights, and "
                           f"rollout.max_staleness={cfg.rollout.max_staleness} samples with older ones: set "

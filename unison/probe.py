@@ -26,7 +26,8 @@ from unison.config.schema import LoRAConfig
 from unison.config.values import parse_compile
 from unison.data_io import encode_prompts, load_prompts
 from unison.errors import UnisonError
-from unison.exact import check_supported, self_check
+from unison.exact import check_supported
+from unison.exact_check import self_check
 from unison.learner import Learner
 from unison.locate import check_locatable
 from unison.lora import _lora_layers
@@ -176,9 +177,9 @@ def _check_options(cfg: ProbeConfig) -> tuple[list[str], list[str], list[str]]:
     if cfg.locate and engines != ["native"]:
         raise UnisonError("--locate reads the engine's hidden states layer by layer, which only the native engine "
                           "exposes (vLLM keeps them inside its model runner): use --engine native")
-    if cfg.state_dtype != "fp32" and engines != ["native"]:
-        raise UnisonError("--state-dtype rounds the native engine's recurrent state (vLLM keeps its own): use --engine "
-                          "native")
+    if cfg.state_dtype != "fp32" and (engines != ["native"] or cfg.exact):
+        raise UnisonError("--state-dtype rounds the native engine's recurrent state (vLLM keeps its own, exact mode "
+                          "an fp32 one on both sides): use --engine native without --exact")
     for e in engines:
         check_engine_available(e)
     if not precisions:

@@ -23,7 +23,7 @@ import torch
 from unison import moe
 from unison.batch import by_version
 from unison.errors import UnisonError
-from unison.exact import divergence_report
+from unison.exact_check import divergence_report
 from unison.ledger import shares
 from unison.mismatch import k1, k3, mismatch_metrics
 from unison.runlog import plural

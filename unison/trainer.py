@@ -45,7 +45,7 @@ from unison.config import Config, resolve_paths
 from unison.data_io import atomic_write_text, read_metrics
 from unison.distributed import init_distributed
 from unison.errors import Stopped
-from unison.exact import self_check
+from unison.exact_check import self_check
 from unison.filter import pass_rates
 from unison.learner import Learner
 from unison.ledger import build_ledger

@@ -6,6 +6,7 @@
 #   bf16             both bf16, the engine's recurrent state fp32 between decode steps (transformers' kernels)
 #   bf16-state-bf16  both bf16, the state rounded to bf16 after every step (rollout.state_dtype=model, as vLLM keeps
 #                    it in a bf16 run)
+#   bf16-exact       both bf16 in exact mode: the recurrence on both sides, log μ == log π bit for bit
 # One command, resumable:  bash experiments/hybrid/run.sh   then   python experiments/hybrid/analyze.py runs/hybrid
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,3 +22,4 @@ build('qwen3_next', '$OUT/model', hidden_size=128, intermediate_size=384, head_d
 $UNISON sanity --out "$OUT/state-fp32" --set model="$OUT/model" --precisions fp32,bf16 --seeds "$SEEDS" --set sft.steps="$SFT" "$@"
 $UNISON sanity --out "$OUT/state-model" --set model="$OUT/model" --precisions bf16 --seeds "$SEEDS" --set sft.steps="$SFT" \
   --set rollout.state_dtype=model "$@"
+$UNISON sanity --out "$OUT/exact" --set model="$OUT/model" --precisions bf16-exact --seeds "$SEEDS" --set sft.steps="$SFT" "$@"

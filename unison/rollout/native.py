@@ -32,7 +32,7 @@ from unison import moe
 from unison.batch import Completion
 from unison.distributed import current
 from unison.errors import UnisonError
-from unison.exact import ExactForward, full_allowed
+from unison.exact_ssm import exact_forward
 from unison.models import FAST_PATH_TYPES, check_state_dtype, decode_path, load_model, load_tokenizer, logit_transform  # noqa: F401 - re-exported
 from unison.quant import activation_quantizer, check_targets, fake_quantize
 from unison.rollout.base import SamplingParams, row_seeds, sample_tokens
@@ -99,7 +99,7 @@ class NativeEngine:
         #: exact mode: every prompt is left-padded to this width (the learner uses the same layout)
         self.prompt_width = prompt_width
         if exact:
-            self.exact = ExactForward(self.model)
+            self.exact = exact_forward(self.model)
         self._params = dict(self.model.named_parameters())
         #: rollout.quantization (unison/quant.py): these weights hold quantize→dequantize of what is loaded
         self.quantization, self.quant_group_size = quantization, quant_group_size
@@ -368,7 +368,7 @@ class _CacheBackend:
     key_ok: torch.Tensor
 
     def select(self, keep):
-        self.cache = [(k[keep], v[keep]) for k, v in self.cache]
+        self.cache = [tuple(t[keep] for t in layer) for layer in self.cache]
         self.key_ok = self.key_ok[keep]
 
 
@@ -436,23 +436,18 @@ class _ExactBackend(_CacheBackend):
     def __init__(self, eng: NativeEngine, B: int, P: int, T: int):
         self.fwd, self.P, self.K = eng.exact, P, P + T
         self.w = self.fwd.weights(eng.dtype)
-        shape = (B, self.fwd.n_kv, self.K, self.fwd.head_dim)
-        self.cache = [(torch.zeros(shape, dtype=eng.dtype, device=eng.device),
-                       torch.zeros(shape, dtype=eng.dtype, device=eng.device)) for _ in range(self.fwd.n_layers)]
+        self.cache = self.fwd.new_cache(B, self.K, eng.dtype, eng.device)
         self.key_ok = torch.zeros((B, self.K), dtype=torch.bool, device=eng.device)
-        self.cols = torch.arange(self.K, device=eng.device)
 
     def prefill(self, ids, key_ok, pos):
         self.key_ok[:, :self.P] = key_ok
-        allowed = full_allowed(self.key_ok)[:, :self.P]
-        h = self.fwd.hidden(self.w, ids, pos, allowed, self.cache, start=0)
+        h = self.fwd.hidden(self.w, ids, pos, self.key_ok, self.cache, start=0)
         return self.fwd.logits(self.w, h[:, -1])
 
     def step(self, tok, pos, t):
         c = self.P + t
         self.key_ok[:, c] = True
-        allowed = (self.key_ok & (self.cols <= c))[:, None, :]
-        h = self.fwd.hidden(self.w, tok[:, None], pos[:, None], allowed, self.cache, start=c)
+        h = self.fwd.hidden(self.w, tok[:, None], pos[:, None], self.key_ok, self.cache, start=c)
         return self.fwd.logits(self.w, h[:, -1])
 
 
