@@ -189,12 +189,12 @@ def test_gemm_names_each_role(monkeypatch):
     assert gemm.split("blas/onednn") == ("blas", "onednn") and gemm.split("auto") == ("auto", "auto")
     with pytest.raises(UnisonError, match="or LEARNER/ENGINE"):
         parse_gemm("blas/mkl")
-    monkeypatch.setattr(gemm, "measure", lambda h, i: (1.1, True))
+    monkeypatch.setattr(gemm, "measure", lambda h, i: (1.05, True))
     monkeypatch.setattr(gemm, "measure_packed", lambda h, i, rows, vocab: (1.8, True))
     monkeypatch.setattr(gemm, "onednn_available", lambda: True)
     g = gemm.decide("auto", 576, 1536, 135_000_000, decode_rows=32)
     assert (g.name, g.engine, g.value) == ("blas", "onednn", "blas/onednn")
-    assert "learner blas (auto: oneDNN 1.10x BLAS" in str(g) and "engine onednn, pre-packed (auto: 1.8x BLAS at 32 rows" in str(g)
+    assert "learner blas (auto: oneDNN 1.05x BLAS" in str(g) and "engine onednn, pre-packed (auto: 1.8x BLAS at 32 rows" in str(g)
     g = gemm.decide("auto", 576, 1536, 135_000_000, engine_fp32=False)  # a bf16 engine keeps torch's path
     assert g.value == "blas" and "no fp32 decode here" in g.engine_reason
     before = gemm.current()

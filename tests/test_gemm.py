@@ -2,6 +2,7 @@
 (logprobs._HeadLogp), the last log-prob chunk kept rather than recomputed, and fused AdamW: what each
 computes is held to the old path's numbers (fp32 rounding) or to numbers worked out by hand."""
 
+import json
 import math
 
 import pytest
@@ -44,9 +45,27 @@ def test_auto_measures_only_where_the_library_can_matter(monkeypatch):
     assert calls == []
     g = gemm.decide("auto", 576, 1536, big)
     assert calls == [(576, 1536)] and g.name == "onednn" and "2.0x BLAS" in str(g)
-    for ratio, agree, want in ((1.2, True, "blas"), (1.3, True, "onednn"), (3.0, False, "blas")):
+    for ratio, agree, want in ((1.05, True, "blas"), (1.1, True, "onednn"), (3.0, False, "blas")):
         monkeypatch.setattr(gemm, "measure", lambda h, i, r=ratio, a=agree: (r, a))
         assert gemm.decide("auto", 576, 1536, big).name == want, (ratio, agree)
+
+
+def test_a_machine_decides_once_and_keeps_its_measurement(monkeypatch, tmp_path):
+    """The measured ratio is kept per CPU, torch, threads and shape: the next decision on this machine reads it (the
+    noisy timing that flipped a run between libraries is not taken again); another shape or thread count measures."""
+    ratios = iter([1.5, 0.7, 0.7, 0.7])
+    monkeypatch.setattr(gemm, "measure", lambda h, i: (next(ratios), True))
+    monkeypatch.setattr(gemm, "measure_packed", lambda h, i, rows, vocab: (1.0, True))
+    cache, big = tmp_path / "gemm.json", 135_000_000
+    first = gemm.decide("auto", 576, 1536, big, cache=cache)
+    assert first.name == "onednn" and first.reason == "auto: 1.5x BLAS on this CPU, measured"
+    again = gemm.decide("auto", 576, 1536, big, cache=cache)  # a second run: the same choice, not 0.7's
+    assert again.name == "onednn" and again.reason == f"auto: 1.5x BLAS on this CPU, measured earlier ({cache})"
+    assert gemm.decide("auto", 576, 1536, big).name == "blas"  # no cache: a fresh measurement (0.7)
+    assert gemm.decide("auto", 64, 128, big, cache=cache).name == "blas"  # another shape: measured (0.7)
+    assert len(json.loads(cache.read_text())) == 4  # learner and engine, for each shape
+    cache.write_text("{not json")  # a damaged cache costs a measurement, not the run
+    assert gemm.decide("auto", 576, 1536, big, cache=cache).name == "blas"
 
 
 def test_an_explicit_onednn_where_it_cannot_route_is_refused_in_one_line():

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from unison.config.values import parse_compile
-from unison.data_io import atomic_write_text
+from unison.data_io import add_to_json_cache, read_json_cache
 from unison.errors import UnisonError
 from unison.models import model_config
 from unison.models import unison_home
@@ -143,11 +143,11 @@ def decide(setting, model_dir, params: int, shape: RunShape, *, exact: bool = Fa
         if cond:
             return Compilation(False, False, f"auto: {why}", f"auto: {why}")
     key = _cache_key(model_dir, shape, engine_packed)
-    stored = _read_cache(cache).get(key)
+    stored = read_json_cache(cache or default_cache()).get(key)
     if stored is None:
         stored = {"engine": measure_engine(model_dir, shape, engine_packed, log) if engine_native else None,
                   "learner": measure_learner(model_dir, shape, log)}
-        _write_cache(cache, key, stored)
+        add_to_json_cache(cache or default_cache(), key, stored)
     e_on, e_reason = _verdict(stored["engine"], shape.steps) if engine_native else (False, "vLLM compiles by its own settings")
     l_on, l_reason = _verdict(stored["learner"], shape.steps)
     if quantization_aware:
@@ -273,27 +273,6 @@ def _cache_key(model_dir, shape: RunShape, packed: bool) -> str:
                        "arch": arch, "rows": shape.rows, "new": shape.new_tokens, "prompt": shape.prompt_tokens,
                        "micro": [shape.micro_batches, shape.micro_tokens], "steps": shape.steps, "packed": packed},
                       sort_keys=True)
-
-
-def _read_cache(path: Path | None) -> dict:
-    path = path or default_cache()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(path: Path | None, key: str, value: dict) -> None:
-    """Add one measurement (atomically: a reader never sees half a file; a failure to write costs a re-measure)."""
-    path = path or default_cache()
-    try:
-        data = _read_cache(path)
-        data[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(data, indent=1))
-    except OSError:
-        pass
 
 
 def seconds_compiling() -> float:

@@ -75,6 +75,26 @@ def read_jsonl(path: str | Path, required: dict[str, type | tuple[type, ...]] | 
     return rows
 
 
+def read_json_cache(path: Path) -> dict:
+    """A per-machine cache of measurements (``$UNISON_HOME/*.json``): its entries, or none if it is absent or
+    damaged (a measurement is then made again)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def add_to_json_cache(path: Path, key: str, value) -> None:
+    """Add one measurement (atomically: a reader never sees half a file; a failure to write costs a re-measure)."""
+    try:
+        data = read_json_cache(path)
+        data[key] = value
+        atomic_write_text(path, json.dumps(data, indent=1))
+    except OSError:
+        pass
+
+
 def atomic_write_text(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temporary file and rename: never half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)

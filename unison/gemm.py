@@ -24,7 +24,9 @@ that re-packs the weight matrix on every call spends much of the product doing i
   **measured** at start on the model's own two MLP shapes, interleaved, best of :data:`ROUNDS`, at the
   run's thread count — at :data:`ROWS` rows for the learner, at the rollout batch's rows with the weights
   pre-packed for the engine — and oneDNN is taken for a role when it is at least :data:`MARGIN` × faster
-  there (and agrees with BLAS to fp32 rounding). The choices and the measured ratios are printed at start.
+  there (and agrees with BLAS to fp32 rounding). The measurement is kept per CPU, torch version, thread count and
+  shape (``$UNISON_HOME/gemm.json``, as ``compile: auto`` keeps its own): a machine decides once, and its runs do
+  not flip between libraries on a noisy timing. The choices and the measured ratios are printed at start.
 
 The two libraries round differently (~1e-7 relative in fp32): a run's choice is written to its
 ``config.yaml`` so that ``--resume`` continues with the same one.
@@ -32,20 +34,24 @@ The two libraries round differently (~1e-7 relative in fp32): a run's choice is 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from unison.config.values import parse_gemm
+from unison.data_io import add_to_json_cache, read_json_cache
 from unison.errors import UnisonError
-from unison.threads import SMALL_MODEL, size_text
+from unison.threads import SMALL_MODEL, cpu_name, size_text
 
-#: oneDNN is taken by ``auto`` only this much faster than BLAS (below it, within a busy machine's noise)
-MARGIN = 1.3
-#: interleaved timing rounds per library (the best of each counts)
-ROUNDS = 3
+#: oneDNN is taken by ``auto`` only this much faster than BLAS (a tie keeps torch's default). It was 1.3, which on the
+#: Intel Xeon here left the engine's 1.18–1.20× on the table 9 decisions in 10 (benchmarks/gemm_auto.py)
+MARGIN = 1.1
+#: interleaved timing rounds per library (the best of each counts; the order alternates, ABBA)
+ROUNDS = 5
 #: rows of the learner's measured products (a micro-batch's worth of tokens)
 ROWS = 256
 #: rows of the engine's measured products when the run does not say (one decode step of 32 responses)
@@ -97,14 +103,30 @@ def onednn_available() -> bool:
 
 
 def decide(setting, hidden: int, intermediate: int, params: int, device: str = "cpu", world_size: int = 1,
-           fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS, vocab: int = 0) -> Gemm:
-    """The library of each role for ``setting`` and its reason (``auto`` measures); nothing is changed. ``fp32``:
-    the learner computes in fp32; ``engine_fp32``: the engine does (default: as the learner)."""
+           fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS, vocab: int = 0,
+           cache: Path | None = None) -> Gemm:
+    """The library of each role for ``setting`` and its reason (``auto`` measures, or reads an earlier measurement
+    of this machine from ``cache``); nothing is changed. ``fp32``: the learner computes in fp32; ``engine_fp32``: the
+    engine does (default: as the learner)."""
     learner, engine = split(setting)
     engine_fp32 = fp32 if engine_fp32 is None else engine_fp32
-    a = _decide_role(learner, hidden, intermediate, params, device, world_size, fp32, measure, None)
+
+    def measured(role, fn, **shape):
+        key = json.dumps({"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                          "role": role, "hidden": hidden, "intermediate": intermediate, **shape}, sort_keys=True)
+        stored = read_json_cache(cache).get(key) if cache is not None else None
+        if isinstance(stored, list) and len(stored) == 2:
+            return float(stored[0]), bool(stored[1]), f"measured earlier ({cache})"
+        ratio, agree = fn(hidden, intermediate)
+        if cache is not None:
+            add_to_json_cache(cache, key, [ratio, agree])
+        return ratio, agree, "measured"
+
+    a = _decide_role(learner, hidden, intermediate, params, device, world_size, fp32,
+                     lambda: measured("learner", measure, rows=ROWS), None)
     b = _decide_role(engine, hidden, intermediate, params, device, world_size, engine_fp32,
-                     lambda h, i: measure_packed(h, i, rows=decode_rows, vocab=vocab), decode_rows)
+                     lambda: measured("engine", lambda h, i: measure_packed(h, i, rows=decode_rows, vocab=vocab),
+                                      rows=decode_rows, vocab=vocab), decode_rows)
     return Gemm(a[0], a[1], b[0], b[1])
 
 
@@ -130,13 +152,13 @@ def _decide_role(setting: str, hidden, intermediate, params, device, world_size,
         return "blas", f"auto: a {size_text(params)}-parameter model's matmuls are too small to measure"
     if not onednn_available():
         return "blas", "auto: no oneDNN in this torch"
-    ratio, agree = measure_fn(hidden, intermediate)
+    ratio, agree, when = measure_fn()
     at = f" at {decode_rows} rows" if decode_rows is not None else ""
     if not agree:
         return "blas", "auto: oneDNN's fp32 products disagreed with BLAS's here"
     if ratio >= MARGIN:
-        return "onednn", f"auto: {ratio:.1f}x BLAS{at} on this CPU, measured"
-    return "blas", f"auto: oneDNN {ratio:.2f}x BLAS{at} on this CPU, measured (under {MARGIN}x)"
+        return "onednn", f"auto: {ratio:.1f}x BLAS{at} on this CPU, {when}"
+    return "blas", f"auto: oneDNN {ratio:.2f}x BLAS{at} on this CPU, {when} (under {MARGIN}x)"
 
 
 def measure(hidden: int, intermediate: int, rows: int = ROWS, rounds: int = ROUNDS) -> tuple[float, bool]:
@@ -183,8 +205,8 @@ def _race(blas, onednn, rounds: int) -> tuple[float, bool]:
     rounding (the comparison is also both sides' warm-up)."""
     agree = all(float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) for a, b in zip(onednn(), blas()))
     best = {blas: float("inf"), onednn: float("inf")}
-    for _ in range(rounds):
-        for fn in best:
+    for r in range(rounds):
+        for fn in (blas, onednn) if r % 2 == 0 else (onednn, blas):
             t0 = time.perf_counter()
             fn()
             best[fn] = min(best[fn], time.perf_counter() - t0)
@@ -193,11 +215,11 @@ def _race(blas, onednn, rounds: int) -> tuple[float, bool]:
 
 def setup(setting, hidden: int = 0, intermediate: int = 0, params: int = 0, device: str = "cpu", world_size: int = 1,
           fp32: bool = True, engine_fp32: bool | None = None, decode_rows: int = DECODE_ROWS, vocab: int = 0,
-          log=None) -> Gemm:
+          cache: Path | None = None, log=None) -> Gemm:
     """Decide (:func:`decide`, for a model of these sizes) and make it this process's choice: models loaded from now
     on follow it. ``log`` gets one line."""
     global _choice, _engine
-    g = decide(setting, hidden, intermediate, params, device, world_size, fp32, engine_fp32, decode_rows, vocab)
+    g = decide(setting, hidden, intermediate, params, device, world_size, fp32, engine_fp32, decode_rows, vocab, cache)
     _choice, _engine = g.name, g.engine
     if log is not None:
         log(str(g))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unison import gemm, threads
-from unison.models import model_shell
+from unison.models import model_shell, unison_home
 from unison.threads import SMALL_MODEL, cpu_name  # noqa: F401 - cpu_name: re-exported
 
 
@@ -104,7 +104,7 @@ def setup(threads_setting, gemm_setting, model_dir, device: str = "cpu", world_s
     t = threads.setup(threads_setting, params=sizes.params, log=log)
     g = gemm.setup(gemm_setting, sizes.hidden, sizes.intermediate, sizes.params, device=device,
                    world_size=world_size, fp32=fp32, engine_fp32=engine_fp32, decode_rows=decode_rows,
-                   vocab=sizes.vocab, log=log)
+                   vocab=sizes.vocab, cache=unison_home() / "gemm.json", log=log)
     return Runtime(t, g, sizes)
 
 
