@@ -178,8 +178,11 @@ APIS: dict[str, tuple[str, ...]] = {
     "transformers.models.auto.tokenization_auto:AutoTokenizer": (),
     "transformers.tokenization_utils_tokenizers:PreTrainedTokenizerFast": (),
     "transformers.cache_utils:DynamicCache": ("config",),
-    # exact mode's hybrids: the gradient side of their recurrent scans (unison/exact_ssm.py, unison/exact_gdn.py)
+    # exact mode's hybrids: the gradient side of their recurrent scans, read off the model's own module
+    # (unison/exact_ssm.py, unison/exact_gdn.py)
     "transformers.models.mamba2.modeling_mamba2:mamba2_chunk_scan": ("D", "dt_bias", "dt_softplus", "dt_limit"),
+    "transformers.models.nemotron_h.modeling_nemotron_h:mamba2_chunk_scan": ("D", "dt_bias", "dt_softplus",
+                                                                            "dt_limit"),
     "transformers.models.qwen3_next.modeling_qwen3_next:torch_chunk_gated_delta_rule": ("g", "beta",
                                                                                      "use_qk_l2norm_in_kernel"),
     "transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS.register": (),

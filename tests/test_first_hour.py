@@ -58,7 +58,8 @@ RUN = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130),  # SIGTERM's 143 also: test_async.py, test_faults.py
+                                      pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)])
 def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, module_dir, sig, code):
     cfgfile = tmp_path / "c.yaml"
     cfgfile.write_text("task:\n  reward: rewards:length\n  truncated_reward: null\n")

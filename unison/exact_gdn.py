@@ -12,7 +12,7 @@ by construction or on the blocks the start-up self-check covers:
 * attention on :meth:`~unison.exact.ExactOps.attend` over the whole cache, its output gated by sigmoid.
 
 In the training forward the scan's value is the recurrence and its gradient that of transformers' chunked form
-(``torch_chunk_gated_delta_rule``, the same function).
+(the model's module's ``torch_chunk_gated_delta_rule``, the same function).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from unison.exact import ExactOps, attend_cached, blocked, causal_conv, tree_sum, whole_vectors
 
@@ -53,9 +52,10 @@ def _recurrent(q, k, v, g, beta, S):
     return torch.stack(outs, dim=1), S
 
 
-def _chunked(q, k, v, g, beta):
-    """The same rule in transformers' chunk-parallel form (its reference kernel): the gradient side."""
-    return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+def _chunked(q, k, v, g, beta, rule):
+    """The same rule in transformers' chunk-parallel form (``rule``: the model's module's
+    ``torch_chunk_gated_delta_rule``, its reference kernel): the gradient side."""
+    return rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
 
 class GdnExactForward:
@@ -76,6 +76,7 @@ class GdnExactForward:
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.rope = lm.model.rotary_emb
         self._apply_rope = sys.modules[type(sa).__module__].apply_rotary_pos_emb
+        self._chunk_rule = sys.modules[type(la).__module__].torch_chunk_gated_delta_rule
 
     def weights(self, dtype: torch.dtype) -> dict:
         def c(t):
@@ -175,7 +176,7 @@ class GdnExactForward:
             state[1].copy_(last)
         else:
             core = blocked(lambda: _recurrent(q, k, v, g, beta, q.new_zeros(b, hv, dk, dv))[0], _chunked, q, k, v, g,
-                           beta)
+                           beta, self._chunk_rule)
         core = keep(i, "scan", core.to(dtype))
         gated = (ops.norm(core, L["gn"], self.eps).float() * whole_vectors(F.silu, z.reshape(b, s, hv, dv).float()))
         gated = keep(i, "gate", gated.to(dtype).reshape(b, s, self.value_dim))

@@ -23,10 +23,10 @@ transformers' chunk-parallel form of the same function (docs/exact.md has the co
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
-
-from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
 from unison.exact import (SSM_FAMILIES, ExactForward, ExactOps, attend_cached, blocked, causal_conv,
                           check_supported, tree_sum, whole_vectors)
@@ -74,11 +74,12 @@ def _recurrent(xh, Bg, Cg, dt, dt_bias, A_log, D, limit, h):
     return torch.stack(ys, dim=1) + xh * D.float()[:, None], h
 
 
-def _chunked(xh, Bg, Cg, dt, dt_bias, A_log, D, limit, chunk):
-    """The same scan in transformers' chunk-parallel form (its reference kernel): the gradient side of the learner's
-    forward, which then pays for one chunked backward rather than one through every token's update."""
-    return mamba2_chunk_scan(xh, dt.float(), -torch.exp(A_log.float()), Bg, Cg, chunk, D=D.float(),
-                             dt_bias=dt_bias.float(), dt_softplus=True, dt_limit=tuple(limit))
+def _chunked(xh, Bg, Cg, dt, dt_bias, A_log, D, limit, chunk, scan):
+    """The same scan in transformers' chunk-parallel form (``scan``: the model's own module's ``mamba2_chunk_scan``,
+    its reference kernel): the gradient side of the learner's forward, which then pays for one chunked backward rather
+    than one through every token's update."""
+    return scan(xh, dt.float(), -torch.exp(A_log.float()), Bg, Cg, chunk, D=D.float(), dt_bias=dt_bias.float(),
+                dt_softplus=True, dt_limit=tuple(limit))
 
 
 class SsmExactForward:
@@ -100,6 +101,8 @@ class SsmExactForward:
         self.norm_group = getattr(mixer.norm, "group_size", self.I)
         self.dt_limit = tuple(float(v) for v in mixer.time_step_limit)
         self.chunk = mixer.chunk_size
+        #: the gradient side of the scan: the model's modeling module's chunked scan (Mamba2's and Nemotron-H's own)
+        self.chunk_scan = sys.modules[type(mixer).__module__].mamba2_chunk_scan
         self.act = getattr(mixer, "activation", "silu")
         attn = next((layer.mixer for layer, k in zip(dec.layers, self.kinds) if k == "full_attention"), None)
         self.head_dim = attn.head_dim if attn is not None else None
@@ -221,7 +224,7 @@ class SsmExactForward:
             state[1].copy_(last)
         else:
             yh = blocked(lambda: _recurrent(xh, *params, xh.new_zeros(b, nh, hd, N))[0], _chunked, xh, *params,
-                          self.chunk)
+                         self.chunk, self.chunk_scan)
         y = keep(i, "scan", yh.to(dtype).view(b, s, I))
         # the gated norm (per group of channels), then out_proj
         g = y.float() * whole_vectors(F.silu, z.float())
