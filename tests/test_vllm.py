@@ -151,3 +151,20 @@ def test_qwen3_next_on_vllm_cpu_is_refused_in_one_line_where_vllm_cannot_run_it(
         make_engine("vllm", d, torch.float32)
     with pytest.raises(UnisonError, match="has no experts"):
         make_engine("vllm", d, torch.bfloat16)
+
+
+def test_a_hybrid_trains_through_vllm_with_its_weights_synced_every_step(tmp_path, char_reward):
+    """GRPO on a Mamba2 model with vLLM sampling: every step's sync reaches vLLM's mixers (fp32: the learner's chunked
+    scan scores vLLM's samples to rounding at every step, while the weights move)."""
+    from unison import zoo
+    from unison.config import load_config
+    from unison.trainer import Trainer, read_metrics
+    from test_train import BASE
+
+    d = zoo.build("mamba2", tmp_path / "mamba2")
+    cfg = load_config(None, BASE + char_reward + ["engine=vllm", "train.steps=3", f"model={d}", "train.lr=3e-3"])
+    Trainer(cfg, tmp_path / "run").fit()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["mismatch/k3"] < 1e-6 for r in rows), [r["mismatch/k3"] for r in rows]
+    assert all(r["optim/grad_norm"] > 0 for r in rows)  # the weights move: a sync that did not reach vLLM would show
