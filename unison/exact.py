@@ -71,6 +71,10 @@ def _check_ssm(config, where: str) -> None:
         if getattr(config, "num_experts", 0) or getattr(config, "hidden_act", "silu") != "silu":
             raise UnisonError(f"{where} runs Qwen3-Next with dense SiLU MLPs, and this one has "
                               f"{config.num_experts} experts: turn exact off for this model")
+        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope not in ("default", "linear"):  # exact mode computes the rotary angles from the fixed inv_freq
+            raise UnisonError(f"{where} runs Qwen3-Next with a fixed rotary embedding, and this one's is '{rope}': "
+                              f"turn exact off for this model")
         return
     act = getattr(config, "mamba_hidden_act", getattr(config, "hidden_act", "silu"))
     kinds = set(getattr(config, "layers_block_type", None) or ["linear_attention"])
