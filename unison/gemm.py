@@ -158,7 +158,8 @@ def _decide_role(setting: str, hidden, intermediate, params, device, world_size,
         return "blas", "auto: oneDNN's fp32 products disagreed with BLAS's here"
     if ratio >= MARGIN:
         return "onednn", f"auto: {ratio:.1f}x BLAS{at} on this CPU, {when}"
-    return "blas", f"auto: oneDNN {ratio:.2f}x BLAS{at} on this CPU, {when} (under {MARGIN}x)"
+    shown = int(ratio * 100) / 100  # rounded down: a ratio just under the margin never reads as the margin itself
+    return "blas", f"auto: oneDNN {shown:.2f}x BLAS{at} on this CPU, {when} (under {MARGIN}x)"
 
 
 def measure(hidden: int, intermediate: int, rows: int = ROWS, rounds: int = ROUNDS) -> tuple[float, bool]:
