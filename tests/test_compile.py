@@ -182,6 +182,36 @@ def test_packed_products_are_bitwise_the_unpacked_ones(rows):
     assert (gemm.packed_linear(x, p, b) - F.linear(x, w, b)).abs().max() <= 1e-5 * F.linear(x, w, b).abs().max()
 
 
+needs_bf16 = pytest.mark.skipif(not (gemm.onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                                reason="no native bf16 kernels in oneDNN on this CPU")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 8, 32])
+def test_packed_bf16_products_are_bitwise_torchs_own(rows):
+    """torch sends a bf16 product to oneDNN, which re-packs the weight on each call; packed once, the same bits."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(rows, 576, generator=g).bfloat16(), (0.02 * torch.randn(1536, 576, generator=g)).bfloat16(),
+               torch.randn(1536, generator=g).bfloat16())
+    assert torch.equal(gemm.packed_linear(x, gemm.pack(w, 32), b), F.linear(x, w, b))
+
+
+@needs_bf16
+def test_a_bf16_engine_packs_above_the_small_model_line_and_samples_the_same(tiny_dir, monkeypatch):
+    from unison.rollout import SamplingParams, make_engine
+
+    assert not make_engine("native", tiny_dir, torch.bfloat16).fast.packed  # the tiny model: below the line
+    monkeypatch.setattr(gemm, "SMALL_MODEL", 0)
+    packed = make_engine("native", tiny_dir, torch.bfloat16)
+    assert packed.fast.packed and packed.fast.layers[0][0].is_mkldnn
+    monkeypatch.setattr(gemm, "SMALL_MODEL", 10**12)
+    plain = make_engine("native", tiny_dir, torch.bfloat16)
+    assert not plain.fast.packed
+    params = SamplingParams(n=3, max_tokens=10, seed=4, ignore_eos=True)
+    a, b = packed.generate([[1, 5, 6, 7], [1, 8]], params), plain.generate([[1, 5, 6, 7], [1, 8]], params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b] and [c.logprobs for c in a] == [c.logprobs for c in b]
+
+
 def test_gemm_names_each_role(monkeypatch):
     from unison.config.values import parse_gemm
 

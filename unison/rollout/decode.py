@@ -2,8 +2,9 @@
 
 :class:`FastWeights` holds each layer's products as the engine multiplies by them: q/k/v and gate/up fused
 into one matrix each (the modules' parameters become views of it: ``load_weights`` still writes through the
-original names, no extra memory), and — where the engine's fp32 products are oneDNN's (``gemm``, unison/gemm.py)
-— every matrix also pre-packed into oneDNN's blocked layout once per weight sync, so that a decode step's
+original names, no extra memory), and — where the engine's fp32 products are oneDNN's (``gemm``, unison/gemm.py),
+and for bf16 / fp16 engines on CPUs with native kernels for them (:func:`unison.gemm.packs_half`) — every matrix
+also pre-packed into oneDNN's blocked layout once per weight sync, so that a decode step's
 products (one row per response) do not re-pack the weights on every call. Packed products are bitwise the
 unpacked ones.
 
@@ -44,7 +45,8 @@ def fuse(layer):
 
 class FastWeights:
     """The fast path's matrices of ``model`` (fused, and packed when ``packed``: fp32 on the CPU with oneDNN's
-    products, packed for products of about ``rows`` rows). :meth:`refresh` after the weights changed."""
+    products, or bf16 / fp16 there; packed for products of about ``rows`` rows). :meth:`refresh` after the weights
+    changed."""
 
     def __init__(self, model, packed: bool, rows: int = gemm.DECODE_ROWS):
         self.model, self.packed, self.rows = model, packed, rows

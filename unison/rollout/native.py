@@ -66,7 +66,8 @@ class NativeEngine:
         self.config = self.model.config
         #: fast: the fused path of the Llama-family decoders; generic: any causal LM's own forward
         self.path = decode_path(self.config)
-        #: the fast path's matrices (fused; pre-packed where the engine's fp32 products are oneDNN's) and how its
+        #: the fast path's matrices (fused; pre-packed where the engine's fp32 products are oneDNN's, and bf16 / fp16
+        #: ones on a CPU with native kernels for them: gemm.packs_half) and how its
         #: layers run (eagerly, or compiled: ``compile``); unison/rollout/decode.py
         self.fast: FastWeights | None = None
         #: W8A8 (rollout.quantization w8a8_*): every quantized layer's input quantized per token (unison/quant.py);
@@ -82,8 +83,9 @@ class NativeEngine:
                                and self.kv is None)
         if self.path == "fast":
             self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
-            packed = (gemm.engine_choice() == "onednn" and dtype == torch.float32 and self.device.type == "cpu"
-                      and not exact)
+            params = sum(p.numel() for p in self.model.parameters())
+            packed = self.device.type == "cpu" and not exact and (
+                gemm.engine_choice() == "onednn" and dtype == torch.float32 or gemm.packs_half(dtype, params))
             self.fast = FastWeights(self.model, packed, decode_rows)
 
         #: rollout.state_dtype=model: a recurrent model's state rounded to the compute dtype after every forward
