@@ -182,8 +182,7 @@ def test_packed_products_are_bitwise_the_unpacked_ones(rows):
     assert (gemm.packed_linear(x, p, b) - F.linear(x, w, b)).abs().max() <= 1e-5 * F.linear(x, w, b).abs().max()
 
 
-needs_bf16 = pytest.mark.skipif(not (gemm.onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-                                reason="no native bf16 kernels in oneDNN on this CPU")
+needs_bf16 = pytest.mark.skipif(not gemm.half_kernels(torch.bfloat16), reason="no native bf16 kernels on this CPU")
 
 
 @needs_bf16

@@ -251,12 +251,18 @@ def packs_half(dtype: torch.dtype, params: int) -> bool:
     """Whether the native engine pre-packs its bf16 / fp16 matrices (:func:`pack`). torch already sends those
     products to oneDNN, which then re-packs the weight on every call; packed once per sync they give the same bits
     (tested) and were 1.4–1.9× faster in bf16 (1.1–1.25× in fp16) at SmolLM2's shapes and 1–32 rows on the Intel Xeon
-    here (AMX). Only where oneDNN has native kernels for the dtype (not on an AVX2-only CPU: untried there), and not
+    here (AMX). Only where oneDNN has native kernels for the dtype (:func:`half_kernels`; untried elsewhere), and not
     for models under :data:`SMALL_MODEL` parameters (the tiny model's 64-wide product at one row ran 0.17×)."""
-    if params < SMALL_MODEL or not onednn_available():
+    return params >= SMALL_MODEL and half_kernels(dtype)
+
+
+def half_kernels(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` (bf16 / fp16) natively in oneDNN: AVX512-BF16 (or AMX) for bf16,
+    AVX512-FP16 / AMX-FP16 for fp16 — not an AVX2-only or plain AVX-512 CPU, where oneDNN would emulate them."""
+    if not onednn_available():
         return False
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.cpu._is_avx512_bf16_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float16 and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
