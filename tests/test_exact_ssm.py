@@ -1,6 +1,8 @@
 """Exact mode for state-space and hybrid models (issue 54, item 3): Mamba2, Nemotron-H and Qwen3-Next run the
 recurrence on both sides, and the engine's log μ equals the learner's log π bit for bit, whatever the batch."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,50 @@ def test_tree_sum_by_hand():
     # ((1 + 5) + 3) + (2 + 4) — pairs by halves, the odd width zero-padded to 8
     assert tree_sum(x).tolist() == [15.0, 2.0]  # (2²⁴ − 2²⁴) + (1 + 1): the fixed order keeps both ones
     assert tree_sum(torch.ones(3, 1)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_causal_conv_by_hand():
+    """Kernel 4: out_t = w0·x_{t−3} + w1·x_{t−2} + w2·x_{t−1} + w3·x_t + b (the oldest input meets w0, as
+    transformers' conv1d over the left-padded window)."""
+    from unison.exact import causal_conv
+
+    seq = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]).view(1, 5, 1)  # a window of 3 earlier inputs, then 2 new ones
+    out = causal_conv(seq, torch.tensor([[1.0, 10.0, 100.0, 1000.0]]), torch.tensor([0.5]), 2)
+    assert out.view(-1).tolist() == [4321.5, 5432.5]
+
+
+def test_the_mamba2_scan_by_hand():
+    """One head of one channel and one state: dt = softplus(0 + 0) = ln 2, A = −exp(0) = −1, so the decay is
+    exp(−ln 2) = ½; B = C = 1, D = 1. h1 = ln2·x1, h2 = ½·h1 + ln2·x2; y = C·h + D·x."""
+    from unison.exact_ssm import _recurrent
+
+    x = torch.tensor([1.0, 2.0]).view(1, 2, 1, 1)
+    one = torch.ones(1, 2, 1, 1)
+    y, h = _recurrent(x, one, one, torch.zeros(1, 2, 1), torch.zeros(1), torch.zeros(1), torch.ones(1),
+                      (0.0, float("inf")), torch.zeros(1, 1, 1, 1))
+    ln2 = math.log(2)
+    assert y.view(-1).tolist() == pytest.approx([ln2 + 1, 2.5 * ln2 + 2], abs=1e-6)
+    assert float(h) == pytest.approx(2.5 * ln2, abs=1e-6)
+    # a step floor above softplus's ln 2 (Nemotron-H's time_step_limit) bounds dt from below: dt = 1, decay e⁻¹
+    y, _ = _recurrent(x, one, one, torch.zeros(1, 2, 1), torch.zeros(1), torch.zeros(1), torch.zeros(1),
+                      (1.0, float("inf")), torch.zeros(1, 1, 1, 1))
+    assert y.view(-1).tolist() == pytest.approx([1.0, math.exp(-1) + 2.0], abs=1e-6)
+
+
+def test_the_gated_delta_rule_by_hand():
+    """One head, dk = dv = 1, q = k = 1 (unit after the L2 norm), decay exp(0) = 1, β = ½, v = (2, 4):
+    S1 = 0 + k·(v1 − k·0)·β = 1, o1 = q·S1 = 1; S2 = 1 + (4 − 1)·½ = 2.5, o2 = 2.5. Then g = ln ½ halves the state
+    before each step: S1 = 1, S2 = ½ + (4 − ½)·½ = 2.25."""
+    from unison.exact_gdn import _recurrent
+
+    q = k = torch.ones(1, 2, 1, 1)
+    v = torch.tensor([2.0, 4.0]).view(1, 2, 1, 1)
+    beta = torch.full((1, 2, 1), 0.5)
+    out, S = _recurrent(q, k, v, torch.zeros(1, 2, 1), beta, torch.zeros(1, 1, 1, 1))
+    assert out.view(-1).tolist() == pytest.approx([1.0, 2.5], abs=1e-5)
+    assert float(S) == pytest.approx(2.5, abs=1e-5)
+    out, _ = _recurrent(q, k, v, torch.full((1, 2, 1), math.log(0.5)), beta, torch.zeros(1, 1, 1, 1))
+    assert out.view(-1).tolist() == pytest.approx([1.0, 2.25], abs=1e-5)
 
 
 def test_whole_vectors_gives_a_value_the_same_bits_alone_and_among_thousands():

@@ -84,11 +84,28 @@ def _check_ssm(config, where: str) -> None:
                           f"this config has blocks {sorted(kinds)}: turn exact off for this model")
 
 
+def normalize(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 rows over their root mean square: the RMSNorms' shared step (each model applies its weight its own way)."""
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's Llama RMSNorm, as a function of the (cast) weight."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    return w * normalize(x.float(), eps).to(x.dtype)
+
+
+def caster(dtype: torch.dtype):
+    """``t`` in ``dtype`` (itself when it already is; None stays None): the exact forwards' weights."""
+    return lambda t: None if t is None else (t if t.dtype == dtype else t.to(dtype))
+
+
+def tracer(trace: dict | None):
+    """``keep(layer, op, t)``: ``t``, recorded in ``trace`` by (layer, op) when one is given (divergence_report)."""
+    def keep(layer, op, t):
+        if trace is not None:
+            trace[(layer, op)] = t.detach()
+        return t
+    return keep
 
 
 def token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool = False):
@@ -360,9 +377,7 @@ class ExactForward:
         """Per layer: fused q/k/v (and bias), o, norms, fused gate/up, down; plus embed, norm, head."""
         lm = self.lm
 
-        def c(t):
-            return t if t.dtype == dtype else t.to(dtype)
-
+        c = caster(dtype)
         layers = []
         for layer in lm.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -410,11 +425,7 @@ class ExactForward:
         cos, sin = self.lm.model.rotary_emb(h, pos)
         q_size, kv_size = nh * hd, nkv * hd
 
-        def keep(layer, op, t):
-            if trace is not None:
-                trace[(layer, op)] = t.detach()
-            return t
-
+        keep = tracer(trace)
         for i, L in enumerate(w["layers"]):
             qkv = keep(i, "q/k/v projection", ops.linear(ops.norm(h, L["ln1"], eps), L["qkv"], L["qkv_b"]))
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

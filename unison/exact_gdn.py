@@ -22,14 +22,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from unison.exact import ExactOps, attend_cached, blocked, causal_conv, tree_sum, whole_vectors
+from unison.exact import (ExactOps, attend_cached, blocked, caster, causal_conv, normalize, tracer, tree_sum,
+                          whole_vectors)
 
 
 def _norm_1p(x, w, eps):
     """Qwen3-Next's RMSNorm: x / rms(x) · (1 + w), in fp32, cast back."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + w.float())).to(x.dtype)
+    return (normalize(x.float(), eps) * (1.0 + w.float())).to(x.dtype)
 
 
 def _l2norm(x):
@@ -79,9 +78,7 @@ class GdnExactForward:
         self._chunk_rule = sys.modules[type(la).__module__].torch_chunk_gated_delta_rule
 
     def weights(self, dtype: torch.dtype) -> dict:
-        def c(t):
-            return t if t.dtype == dtype else t.to(dtype)
-
+        c = caster(dtype)
         out = []
         for layer, kind in zip(self.lm.model.layers, self.kinds):
             m = layer.mlp
@@ -136,11 +133,7 @@ class GdnExactForward:
         h = F.embedding(ids, w["embed"])
         cos, sin = self._cos_sin(pos, dtype)
 
-        def keep(layer, op, t):
-            if trace is not None:
-                trace[(layer, op)] = t.detach()
-            return t
-
+        keep = tracer(trace)
         for i, L in enumerate(w["layers"]):
             x = ops.rows(_norm_1p, h, L["ln1"], eps)
             state = None if cache is None else cache[i]

@@ -28,8 +28,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from unison.exact import (SSM_FAMILIES, ExactForward, ExactOps, attend_cached, blocked, causal_conv,
-                          check_supported, tree_sum, whole_vectors)
+from unison.exact import (SSM_FAMILIES, ExactForward, ExactOps, attend_cached, blocked, caster, causal_conv,
+                          check_supported, normalize, tracer, tree_sum, whole_vectors)
 from unison.exact_gdn import GdnExactForward
 
 
@@ -45,14 +45,7 @@ def exact_forward(lm: torch.nn.Module):
 
 def _norm_fp32w(x, w, eps):
     """Nemotron-H's RMSNorm: the weight applied in fp32, the result cast back."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (w.float() * xf).to(x.dtype)
-
-
-def _normalize(x, eps):
-    """RMS-normalise fp32 rows (the gated norm, before its weight)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (w.float() * normalize(x.float(), eps)).to(x.dtype)
 
 
 def _recurrent(xh, Bg, Cg, dt, dt_bias, A_log, D, limit, h):
@@ -114,9 +107,7 @@ class SsmExactForward:
     # ----------------------------------------------------------------------------------------- weights and caches
     def weights(self, dtype: torch.dtype) -> dict:
         """Per layer its block's tensors in ``dtype``; plus embed, norm, head."""
-        def c(t):
-            return None if t is None else (t if t.dtype == dtype else t.to(dtype))
-
+        c = caster(dtype)
         dec, layers = self.lm.get_decoder(), []
         for layer, kind in zip(dec.layers, self.kinds):
             m, d = layer.mixer, {"kind": kind, "ln": c(layer.norm.weight)}
@@ -155,16 +146,19 @@ class SsmExactForward:
         cfg = self.lm.config
         H, V = cfg.hidden_size, cfg.vocab_size
         lin, norms = set(), {H}
-        for layer in self.weights(torch.float32)["layers"]:
-            if layer["kind"] == "linear_attention":
-                lin |= {(H, layer["inp"].shape[0], layer["inp_b"] is not None),
-                        (self.I, H, layer["out_b"] is not None)}
+
+        def shape(linear):  # [in, out, bias] of one nn.Linear, as the forward multiplies by it
+            return linear.in_features, linear.out_features, linear.bias is not None
+
+        for layer, kind in zip(self.lm.get_decoder().layers, self.kinds):
+            m = layer.mixer
+            if kind == "linear_attention":
+                lin |= {shape(m.in_proj), shape(m.out_proj)}
                 norms.add(self.norm_group)
-            elif layer["kind"] == "full_attention":
-                lin |= {(H, layer["qkv"].shape[0], False), (self.n_heads * self.head_dim, H, False)}
+            elif kind == "full_attention":  # q/k/v fused into one product
+                lin |= {(H, (self.n_heads + 2 * self.n_kv) * self.head_dim, False), shape(m.o_proj)}
             else:
-                lin |= {(H, layer["up"].shape[0], layer["up_b"] is not None),
-                        (layer["up"].shape[0], H, layer["down_b"] is not None)}
+                lin |= {shape(m.up_proj), shape(m.down_proj)}
         attention = (self.n_heads, self.n_kv, self.head_dim, K) if self.n_heads else None
         return {"linear": sorted(lin), "rms_norm": sorted(norms), "attention": attention, "log-softmax": (H, V)}
 
@@ -182,11 +176,7 @@ class SsmExactForward:
         m = key_ok[:, start:start + s, None].to(dtype)
         h = F.embedding(ids, w["embed"])
 
-        def keep(layer, op, t):
-            if trace is not None:
-                trace[(layer, op)] = t.detach()
-            return t
-
+        keep = tracer(trace)
         for i, L in enumerate(w["layers"]):
             res = h.float() if self.residual_fp32 else h
             x = self._norm(h.to(dtype), L["ln"])
@@ -228,7 +218,7 @@ class SsmExactForward:
         y = keep(i, "scan", yh.to(dtype).view(b, s, I))
         # the gated norm (per group of channels), then out_proj
         g = y.float() * whole_vectors(F.silu, z.float())
-        gn = ops.rows(_normalize, g.view(b, s, I // self.norm_group, self.norm_group), self.eps).view(b, s, I)
+        gn = ops.rows(normalize, g.view(b, s, I // self.norm_group, self.norm_group), self.eps).view(b, s, I)
         gate = keep(i, "gate", L["gn"] * gn.to(dtype))
         return keep(i, "linear", ops.linear(gate, L["out"], L["out_b"]))
 

@@ -365,8 +365,9 @@ def model_shell(model_dir: Path, for_training: bool = False):
 RECURRENT_RUN = ("qwen3_next", "mamba2", "nemotron_h", "falcon_h1")
 #: architectures whose layers are (in part) linear attention or state-space models: a recurrent decode against a
 #: chunked training scan, not yet tried here (issue 54) — refused in one line
-RECURRENT_TYPES = ("qwen3_5", "qwen3_5_moe", "mamba", "falcon_mamba", "kimi_linear", "lfm2", "lfm2_moe", "granitemoehybrid", "jamba", "zamba", "zamba2",
-                   "bamba", "rwkv", "recurrent_gemma", "xlstm", "minimax", "olmo_hybrid")
+RECURRENT_TYPES = ("qwen3_5", "qwen3_5_moe", "mamba", "falcon_mamba", "kimi_linear", "lfm2", "lfm2_moe",
+                   "granitemoehybrid", "jamba", "zamba", "zamba2", "bamba", "rwkv", "recurrent_gemma", "xlstm", "minimax",
+                   "olmo_hybrid")
 #: a ``layer_types`` entry naming a layer that is not softmax attention
 _RECURRENT_LAYER = ("linear", "mamba", "ssm", "recurrent", "conv", "delta", "rwkv")
 

@@ -83,9 +83,9 @@ class NativeEngine:
                                and self.kv is None)
         if self.path == "fast":
             self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
-            params = sum(p.numel() for p in self.model.parameters())
+            n_params = sum(p.numel() for p in self.model.parameters())
             packed = self.device.type == "cpu" and not exact and (
-                gemm.engine_choice() == "onednn" and dtype == torch.float32 or gemm.packs_half(dtype, params))
+                gemm.engine_choice() == "onednn" and dtype == torch.float32 or gemm.packs_half(dtype, n_params))
             self.fast = FastWeights(self.model, packed, decode_rows)
 
         #: rollout.state_dtype=model: a recurrent model's state rounded to the compute dtype after every forward
