@@ -26,12 +26,13 @@ SHAPE = compilation.RunShape(steps=30, rows=32, new_tokens=128, prompt_tokens=30
 # ----------------------------------------------------------------------------- settings
 def test_compile_values_and_one_line_refusals():
     assert load_config(None, []).compile == "auto"
+    assert load_config(None, ["compile=measure"]).compile == "measure"
     for value, want in (("ON", "on"), ("off", "off"), ("engine", "engine"), ("learner", "learner")):
         assert load_config(None, [f"compile={value}"]).compile == want
     from unison.config.values import parse_compile
 
     assert parse_compile(True) == "on" and parse_compile(False) == "off"
-    with pytest.raises(UnisonError, match="compile 'max' is not one of auto, on, off, engine, learner") as e:
+    with pytest.raises(UnisonError, match="compile 'max' is not one of auto, measure, on, off, engine, learner") as e:
         load_config(None, ["compile=max"])
     assert "\n" not in str(e.value)
     for setting in ("on", "engine", "learner"):
@@ -54,7 +55,7 @@ def test_the_cli_refuses_compile_with_exact_mode_and_writes_nothing(tmp_path, ca
     assert len(err) == 1 and "exact mode shares one forward" in err[0] and "compile=off" in err[0]
     assert not out.exists()
     assert main(["probe", "--compile", "auto", "--out", str(tmp_path / "p")]) == 2
-    assert "auto decides for a run, not for a probe" in capsys.readouterr().err
+    assert "auto and measure decide for a run, not for a probe" in capsys.readouterr().err
     assert main(["probe", "--compile", "engine", "--exact", "--out", str(tmp_path / "p")]) == 2
     assert "keeps compilation out by construction" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
@@ -93,19 +94,25 @@ def test_the_verdict_on_hand_numbers():
     assert not on and "could not win back a compile" in why
 
 
-def test_auto_measures_once_per_machine_and_run_shape(monkeypatch, tmp_path):
+def test_measure_measures_once_per_machine_and_run_shape_and_auto_follows_it(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(compilation, "measure_engine",
                         lambda *a, **k: calls.append("engine") or {"eager_s": 3.0, "compiled_s": 2.0, "compile_s": 5.0})
     monkeypatch.setattr(compilation, "measure_learner",
                         lambda *a, **k: calls.append("learner") or {"eager_s": 3.0, "compiled_s": 2.9, "compile_s": 5.0})
     tiny, cache = resolve_model_dir("builtin:tiny"), tmp_path / "compile.json"
+    # a first run under auto pays for no measurement: eager, and it says how to measure
     c = compilation.decide("auto", tiny, 10**9, SHAPE, cache=cache)
+    assert (c.value, calls) == ("off", []) and "not measured on this machine" in str(c) and "compile=measure" in str(c)
+    assert not cache.exists()
+    c = compilation.decide("measure", tiny, 10**9, SHAPE, cache=cache)
     assert (c.engine, c.learner, c.value) == (True, False, "engine") and calls == ["engine", "learner"]
     assert "engine on (auto: 1.50x eager" in str(c) and "learner off (auto: 1.03x eager" in str(c)
-    again = compilation.decide("auto", tiny, 10**9, SHAPE, cache=cache)
-    assert again == c and calls == ["engine", "learner"]  # kept: not measured again
-    compilation.decide("auto", tiny, 10**9, compilation.RunShape(30, 8, 128, 30, 6, 512), cache=cache)
+    for setting in ("measure", "auto"):  # kept: auto follows it, and neither measures again
+        assert compilation.decide(setting, tiny, 10**9, SHAPE, cache=cache) == c and calls == ["engine", "learner"]
+    other = compilation.RunShape(30, 8, 128, 30, 6, 512)
+    assert compilation.decide("auto", tiny, 10**9, other, cache=cache).value == "off" and len(calls) == 2
+    compilation.decide("measure", tiny, 10**9, other, cache=cache)
     assert calls == ["engine", "learner"] * 2  # another batch: measured anew
     assert len(json.loads(cache.read_text())) == 2
 
@@ -333,3 +340,14 @@ def test_a_compiled_learner_scores_as_the_eager_one_to_fp32_rounding(tiny_dir):
         eager = lrn.score(batch)
     assert (compiled - eager).abs().max() < 1e-5
     assert lrn.compiled and all(layer._compiled_call_impl is not None for layer in lrn.model.model.layers)
+
+
+@pytest.mark.compile
+def test_measure_times_a_real_layer_eager_and_compiled(tiny_dir):
+    # a run long enough that any compile could pay: both sides compile one layer and time it in alternated rounds
+    long = compilation.RunShape(10**6, 4, 8, 8, 1, 64)
+    for m in (compilation.measure_engine(tiny_dir, long, packed=False, rounds=2),
+              compilation.measure_learner(tiny_dir, long, rounds=2)):
+        assert m["eager_s"] > 0 and m["compiled_s"] > 0 and m["compile_s"] > 0
+    # too short a run: nothing is compiled
+    assert compilation.measure_learner(tiny_dir, compilation.RunShape(1, 4, 8, 8, 1, 64))["compiled_s"] is None

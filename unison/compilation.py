@@ -14,16 +14,21 @@ line, ``auto`` keeps it eager). A compiled side rounds differently from an
 eager one (Inductor fuses and reorders elementwise work): a mismatch source of its own, measured by ``unison probe
 --compile off,engine,on`` and, when the two sides differ in it, the mismatch ledger's ``compile`` term.
 
-``auto`` (default) compiles a side only where it pays, measured: ``off`` for models under
-:data:`unison.threads.SMALL_MODEL` parameters (their steps are too small for a compiled layer to win back its
-compile), in exact mode, torchrun jobs and off the CPU (untested there); otherwise one decoder layer of the model's
-shape (random weights) is timed at the run's shapes — a decode step of the rollout batch, a forward and backward of
-a token-budget micro-batch — eager against compiled, and a side compiles when it is at least :data:`SPEEDUP` ×
-faster **and** the time it saves over the run's steps exceeds what its compilation cost. A side whose eager
-time over the whole run is too short for any compile to pay back is not compiled for the measurement. The outcome
-is kept per machine, torch version, model shape and run shape (``$UNISON_HOME/compile.json``), so the
-measurement is paid once; the choice and the figures are printed at start and written to the run's
-``config.yaml`` (``--resume`` keeps it).
+``auto`` (default) compiles a side only where this machine has **measured** that it pays, and never pays for a
+measurement itself: a first run starts at once, eager. ``measure`` takes the measurement (once per machine, torch
+version, model shape and run shape, kept in ``$UNISON_HOME/compile.json``) and then decides as ``auto``; every later
+``auto`` run of that shape reads the kept measurement. The measurement times one decoder layer of the model's shape
+(random weights) at the run's shapes — a decode step of the rollout batch, a forward and backward of a token-budget
+micro-batch — eager against compiled in alternated rounds, and a side compiles when it is at least :data:`SPEEDUP`
+× faster **and** the time it saves over the run's steps exceeds what its compilation cost. Both are ``off`` for
+models under :data:`unison.threads.SMALL_MODEL` parameters (their steps are too small for a compiled layer to win
+back its compile), in exact mode, torchrun jobs and off the CPU (untested there). A side whose eager time over the
+whole run is too short for any compile to pay back is not compiled for the measurement. The choice and the figures
+are printed at start and written to the run's ``config.yaml`` (``--resume`` keeps it).
+
+Why ``auto`` does not measure on a first run (issue 56): a measurement compiles a layer, 17–82 s on 2 cores here
+and 59 s on an AVX2 EPYC, to find that neither side reaches :data:`SPEEDUP` on SmolLM2 on either CPU kind
+(benchmarks/compile_auto.py, docs/benchmarks.md). A newcomer's first run should not pay a minute for that.
 
 Exact mode keeps compilation out by construction: its one forward is shared by the engine and the learner, and a
 compiled copy on either side would round differently (``compile: on`` with ``exact: true`` is refused in one line).
@@ -43,6 +48,7 @@ import torch
 from unison.config.values import parse_compile
 from unison.data_io import add_to_json_cache, read_json_cache
 from unison.errors import UnisonError
+from unison.gemm import alternated
 from unison.models import model_config
 from unison.models import unison_home
 from unison.rollout.decode import FastWeights, compiled_layer_forward, layer_forward
@@ -81,7 +87,7 @@ class Compilation:
 def sides(setting) -> tuple[bool | None, bool | None]:
     """``(engine, learner)`` of a setting: True/False, or None where ``auto`` is to decide."""
     value = parse_compile(setting)
-    return {"auto": (None, None), "on": (True, True), "off": (False, False), "engine": (True, False),
+    return {"auto": (None, None), "measure": (None, None), "on": (True, True), "off": (False, False), "engine": (True, False),
             "learner": (False, True)}[value]
 
 
@@ -129,7 +135,9 @@ def run_shape(cfg, prompt_ids: list[list[int]], world_size: int = 1) -> RunShape
 def decide(setting, model_dir, params: int, shape: RunShape, *, exact: bool = False, world_size: int = 1,
            device: str = "cpu", engine_native: bool = True, engine_packed: bool = False,
            quantization_aware: bool = False, cache: Path | None = None, log=None) -> Compilation:
-    """Each side's choice for ``setting`` (``auto`` measures, :func:`measure_engine`, :func:`measure_learner`)."""
+    """Each side's choice for ``setting``: ``auto`` follows this machine's kept measurement of the run's shape
+    (eager where there is none), ``measure`` takes it first where it is missing (:func:`measure_engine`,
+    :func:`measure_learner`)."""
     check(setting, exact, world_size, quantization_aware)
     engine, learner = sides(setting)
     if engine is not None:
@@ -144,6 +152,10 @@ def decide(setting, model_dir, params: int, shape: RunShape, *, exact: bool = Fa
             return Compilation(False, False, f"auto: {why}", f"auto: {why}")
     key = _cache_key(model_dir, shape, engine_packed)
     stored = read_json_cache(cache or default_cache()).get(key)
+    if stored is None and parse_compile(setting) == "auto":
+        why = ("auto: eager, not measured on this machine at this run's shape (compile=measure times one layer "
+               "compiled, ~20-80 s, and keeps the result for auto)")
+        return Compilation(False, False, why if engine_native else "vLLM compiles by its own settings", why)
     if stored is None:
         stored = {"engine": measure_engine(model_dir, shape, engine_packed, log) if engine_native else None,
                   "learner": measure_learner(model_dir, shape, log)}
@@ -194,7 +206,7 @@ def _best(fn, rounds: int) -> float:
 
 
 @torch.no_grad()
-def measure_engine(model_dir, shape: RunShape, packed: bool, log=None, rounds: int = 5) -> dict:
+def measure_engine(model_dir, shape: RunShape, packed: bool, log=None, rounds: int = 10) -> dict:
     """One decoder layer's decode step at the run's batch (``rows`` responses, a context of the prompt and half
     the new tokens), eager and compiled: seconds per run step (× layers × new tokens) and the compile's seconds."""
     layers = model_config(Path(model_dir)).num_hidden_layers
@@ -217,17 +229,17 @@ def measure_engine(model_dir, shape: RunShape, packed: bool, log=None, rounds: i
     if eager * per_step * shape.steps / 2 < ASSUMED_COMPILE_S:
         return {"eager_s": eager * per_step, "compiled_s": None, "compile_s": None}
     if log is not None:
-        log(f"compile auto: timing the engine's layer compiled (once for this machine, model and batch; "
+        log(f"compile measure: timing the engine's layer compiled (once for this machine, model and batch; "
             f"~{ASSUMED_COMPILE_S * 2:.0f} s)")
     fn = compiled_layer_forward()
     t0 = time.perf_counter()
     fn(*args)  # the decode graph; a prefill graph costs about as much again
     compile_s = 2 * (time.perf_counter() - t0)
-    compiled = _best(lambda: fn(*args), rounds)
+    eager, compiled = alternated(lambda: layer_forward(*args), lambda: fn(*args), rounds)
     return {"eager_s": eager * per_step, "compiled_s": compiled * per_step, "compile_s": compile_s}
 
 
-def measure_learner(model_dir, shape: RunShape, log=None, rounds: int = 3) -> dict:
+def measure_learner(model_dir, shape: RunShape, log=None, rounds: int = 4) -> dict:
     """One decoder layer's forward and backward on a micro-batch of the run's token budget, eager and compiled:
     seconds per run step (× layers × micro-batches) and the compile's seconds."""
     layers = model_config(Path(model_dir)).num_hidden_layers
@@ -248,13 +260,13 @@ def measure_learner(model_dir, shape: RunShape, log=None, rounds: int = 3) -> di
     if eager * per_step * shape.steps / 2 < ASSUMED_COMPILE_S:
         return {"eager_s": eager * per_step, "compiled_s": None, "compile_s": None}
     if log is not None:
-        log("compile auto: timing the learner's layer compiled, forward and backward (once for this machine, "
+        log("compile measure: timing the learner's layer compiled, forward and backward (once for this machine, "
             f"model and batch; ~{ASSUMED_COMPILE_S * 2:.0f} s)")
     compiled_layer = torch.compile(layer, dynamic=True)
     t0 = time.perf_counter()
     step(compiled_layer)
     compile_s = time.perf_counter() - t0
-    compiled = _best(lambda: step(compiled_layer), rounds)
+    eager, compiled = alternated(lambda: step(layer), lambda: step(compiled_layer), rounds)
     return {"eager_s": eager * per_step, "compiled_s": compiled * per_step, "compile_s": compile_s}
 
 

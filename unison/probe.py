@@ -162,9 +162,9 @@ def _check_options(cfg: ProbeConfig) -> tuple[list[str], list[str], list[str]]:
                               f"`rollout.quantization: fp8` in training): use --engine native")
 
     compiles = [parse_compile(c) for c in cfg.compiles]
-    if not compiles or "auto" in compiles:
+    if not compiles or {"auto", "measure"} & set(compiles):
         raise UnisonError(f"--compile {','.join(cfg.compiles) or '(empty)'}: name settings to compare, each one of "
-                          f"off, engine, learner, on (auto decides for a run, not for a probe)")
+                          f"off, engine, learner, on (auto and measure decide for a run, not for a probe)")
     if compiles != ["off"] and (engines != ["native"] or cfg.exact):
         raise UnisonError("--compile compiles the native engine's layers and the learner's, and exact mode keeps "
                           "compilation out by construction: use --engine native without --exact")

@@ -164,7 +164,7 @@ class Trainer:
         self.runlog.open(resumed_from)
         for line in startup_lines(self):
             self.log(line)
-        # compiling so far (auto's measurement, the engine's warm-up here or in its worker): the first step's
+        # compiling so far (measure's measurement, the engine's warm-up here or in its worker): the first step's
         # time/compile_s; then each step's own (the learner's first forward and backward, a new shape)
         self._compile_mark = compilation.seconds_compiling()
         self._compile_pending = self._compile_mark + getattr(getattr(self.engine, "worker", None), "compile_s", 0.0)

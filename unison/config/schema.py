@@ -384,12 +384,14 @@ class Config(_Section):
     #: 10M parameters, CUDA and torchrun jobs: blas) | blas (torch's default) | onednn | LEARNER/ENGINE (e.g.
     #: blas/onednn). The choice is printed at start and written to the run's config.yaml, so --resume keeps it
     gemm: str = "auto"
-    #: Inductor compilation of the layers (unison/compilation.py): auto (default: a side compiles where one layer,
-    #: timed at start at the run's shapes, ran ≥ 1.2× faster compiled and the time saved over the run exceeds the
-    #: compile; kept per machine and model in $UNISON_HOME (~/.cache/unison); under 10M parameters, exact mode, torchrun and CUDA:
-    #: off) | on (the native engine's layers and the learner's) | off | engine | learner. A compiled side rounds
-    #: differently from an eager one: probe --compile and the ledger's compile term measure it. exact mode refuses
-    #: on/engine/learner. The choice is printed at start and written to config.yaml (--resume keeps it)
+    #: Inductor compilation of the layers (unison/compilation.py): auto (default: follows this machine's kept
+    #: measurement of the run's shape, eager at no cost where there is none) | measure (one layer timed at start at
+    #: the run's shapes; a side compiles where it ran ≥ 1.2× faster compiled and the time saved over the run exceeds
+    #: the compile; kept per machine and model in $UNISON_HOME (~/.cache/unison) for auto; under 10M parameters,
+    #: exact mode, torchrun and CUDA: off) | on (the native engine's layers and the learner's) | off | engine |
+    #: learner. A compiled side rounds differently from an eager one: probe --compile and the ledger's compile term
+    #: measure it. exact mode refuses on/engine/learner. The choice is printed at start and written to config.yaml
+    #: (--resume keeps it)
     compile: str = "auto"
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -12,7 +12,7 @@ ENGINES = ("native", "vllm")
 #: libraries of the CPU's fp32 matmuls (unison.gemm)
 GEMM_CHOICES = ("auto", "blas", "onednn")
 #: Inductor compilation of the engine's and the learner's layers (unison.compilation)
-COMPILE_CHOICES = ("auto", "on", "off", "engine", "learner")
+COMPILE_CHOICES = ("auto", "measure", "on", "off", "engine", "learner")
 
 
 def parse_precision(name: str) -> str:
@@ -55,7 +55,7 @@ def parse_gemm(value) -> str:
 
 
 def parse_compile(value) -> str:
-    """``auto``, ``on``, ``off``, or one side: ``engine`` / ``learner`` (YAML's true/false read as on/off)."""
+    """``auto``, ``measure``, ``on``, ``off``, or one side: ``engine`` / ``learner`` (YAML's true/false read as on/off)."""
     text = {True: "on", False: "off"}.get(value, str(value).strip().lower()) if isinstance(value, bool) \
         else str(value).strip().lower()
     if text not in COMPILE_CHOICES:
