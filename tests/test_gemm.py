@@ -106,7 +106,8 @@ def test_the_onednn_linear_and_its_gradients_equal_torchs_to_fp32_rounding(shape
         assert a.shape == r.shape and _rel(a, r) < 1e-6
 
 
-def test_blas_bf16_and_autocast_keep_torchs_own_path():
+def test_blas_bf16_and_autocast_keep_torchs_own_path(monkeypatch):
+    monkeypatch.setattr(gemm, "half_route", lambda dtype: False)  # a CPU with native bf16 kernels
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     gemm.use("blas")
     assert torch.equal(gemm.linear(x, w), F.linear(x, w))
@@ -119,9 +120,10 @@ def test_blas_bf16_and_autocast_keep_torchs_own_path():
 
 
 @needs_onednn
-def test_apply_routes_a_models_linears_and_leaves_its_parameters(tiny_dir):
+def test_apply_routes_a_models_linears_and_leaves_its_parameters(tiny_dir, monkeypatch):
     from unison.models import load_model
 
+    monkeypatch.setattr(gemm, "half_route", lambda dtype: False)  # else apply routes half products (below)
     gemm.use("blas")
     plain = load_model(tiny_dir)
     assert all("forward" not in vars(m) for m in plain.modules())  # blas: nothing touched
@@ -134,6 +136,75 @@ def test_apply_routes_a_models_linears_and_leaves_its_parameters(tiny_dir):
     with torch.no_grad():
         a, b = routed(ids).logits, plain(ids).logits
     assert _rel(a, b) < 1e-5
+
+
+# ----------------------------------------------------------------------------- half products without native kernels
+@pytest.fixture()
+def no_half_kernels(monkeypatch):
+    """This process as on a CPU without native bf16 / fp16 kernels (AVX2-only)."""
+    monkeypatch.setattr(gemm, "half_route", lambda dtype: dtype in (torch.bfloat16, torch.float16))
+
+
+@pytest.mark.parametrize("dtype, small, want", [(torch.bfloat16, 2.0 ** -8, 1 + 2.0 ** -6),
+                                                (torch.float16, 2.0 ** -11, 1 + 2.0 ** -9)])
+def test_a_half_product_accumulates_in_fp32_and_rounds_once_by_hand(no_half_kernels, dtype, small, want):
+    # 1 + 3 s in fp32 is 1 + 1.5 ulp: a tie between 1 + ulp (odd) and 1 + 2 ulp (even), so once rounded it is
+    # 1 + 2 ulp. Summed in the dtype itself, each 1 + s would round back to 1 (a tie, to even).
+    x = torch.tensor([[1.0, small, small, small]], dtype=dtype)
+    w = torch.ones(1, 4, dtype=dtype)
+    y = gemm.torch_linear(x, w)
+    assert y.dtype == dtype and float(y) == want
+    # a bias of -1 is added before the one rounding: 3 s exactly (rounding first, then adding it, gives 2 ulp)
+    assert float(gemm.torch_linear(x, w, torch.tensor([-1.0], dtype=dtype))) == 3 * small
+    with torch.autocast("cpu", dtype=dtype):  # autocast's operands: fp32 in, rounded to the dtype first
+        z = gemm.torch_linear(x.float() + small / 4, w.float())
+    assert z.dtype == dtype and float(z) == want
+    with torch.autocast("cpu", dtype=dtype):  # an operand already in the dtype beside fp32 weights (a layer's input)
+        assert float(gemm.torch_linear(x, w.float())) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_half_product_and_its_gradients_are_torchs_to_the_dtypes_rounding(no_half_kernels, dtype, autocast):
+    torch.manual_seed(0)
+    x0, w0, b0 = torch.randn(2, 5, 64), torch.randn(24, 64) / 8, torch.randn(24)
+    cast = (lambda t: t) if autocast else (lambda t: t.to(dtype))
+    grads = {}
+    for name, fn in (("route", gemm.torch_linear), ("torch", F.linear)):
+        x, w, b = (cast(t).clone().requires_grad_() for t in (x0, w0, b0))
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            y = fn(x, w, b)
+        (y.float() * torch.linspace(-1, 1, 24)).sum().backward()
+        grads[name] = (y, x.grad, w.grad, b.grad)
+    for a, t in zip(*grads.values()):
+        assert a.dtype == t.dtype and a.shape == t.shape
+        assert _rel(a.detach().float(), t.detach().float()) <= 2 * torch.finfo(dtype).eps  # another summation order
+
+
+def test_without_native_kernels_both_engines_route_and_precision_still_orders_the_mismatch(
+        no_half_kernels, tiny_dir, monkeypatch):
+    from unison.batch import collate
+    from unison.learner import Learner
+    from unison.mismatch import mismatch_metrics
+    from unison.rollout import SamplingParams, make_engine
+    from unison.sides import Side
+
+    calls = []
+    real = gemm._half_product
+    monkeypatch.setattr(gemm, "_half_product", lambda *a: calls.append(a[3]) or real(*a))
+    learner, k3 = Learner(tiny_dir), {}
+    for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]:
+        engine = make_engine("native", tiny_dir, dtype)
+        calls.clear()
+        out = engine.generate([[3, 5, 7], [9, 4]] * 2, SamplingParams(n=2, max_tokens=32, seed=0))
+        assert (calls != []) == (dtype != torch.float32) and set(calls) <= {dtype}  # the engine's products
+        batch = collate(out, engine.pad_id)
+        calls.clear()
+        with learner.as_side(Side(dtype=dtype)):
+            k3[name] = mismatch_metrics(learner.score(batch), batch.logp_mu, batch.response_mask)["mismatch/k3"]
+        linears = sum(type(m) is torch.nn.Linear for m in learner.model.modules())
+        assert (len(calls) >= linears) == (dtype != torch.float32) and set(calls) <= {dtype}  # every layer's
+    assert k3["bf16"] > 5 * k3["fp16"] > 5 * k3["fp32"]
 
 
 # ----------------------------------------------------------------------------- a run
