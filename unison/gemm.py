@@ -32,7 +32,8 @@ that re-packs the weight matrix on every call spends much of the product doing i
 AVX512-FP16; or oneDNN switched off, :func:`half_kernels`): torch's own path there is a generic loop, 10–15× slower
 than the fp32 product of the same shape at 512 rows, and 87% of a bf16 demo run's time (profiled with oneDNN off
 and torch's AVX2 kernels on the Xeon here). Every such product unison makes (:func:`torch_linear`: the models'
-``nn.Linear`` layers under :func:`apply`, the output layer, the native engine's decode) is instead the **fp32
+``nn.Linear`` layers under :func:`apply`, the output layer, the native engine's decode, the quantization-aware
+learner's) is instead the **fp32
 product of the rounded bf16 / fp16 operands, rounded once to bf16 / fp16** — forward and backward, autocast's casts
 included (:class:`_HalfLinear`). A product of two bf16 (or fp16) numbers is exact in fp32, so this is the arithmetic
 torch's loop and a GPU's tensor cores do (fp32 accumulation, one rounding), in another summation order. Both

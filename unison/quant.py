@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unison import gemm
 from unison import lora
 from unison import moe
 from unison.algorithms.losses import SELF_CORRECTING
@@ -310,8 +311,6 @@ class QuantizationAware:
             mod._parameters[pname] = w
 
     def _lora_forward(self, layer, original):
-        import torch.nn.functional as F
-
         conv1d = getattr(layer, "fan_in_fan_out", False)  # GPT-2's Conv1D: weight [in, out], x @ W + b
 
         def forward(x, *args, **kwargs):
@@ -329,7 +328,7 @@ class QuantizationAware:
             q = straight_through(merged, self.fmt, 0 if conv1d else -1, self.group_size)
             q = q.t() if conv1d else q  # in the input's dtype: parameters cast to bf16/fp16 (FSDP2's, the probe's
             x = self.act(x) if self.act is not None else x  # --param-dtype compute) meet an fp32 merge here
-            return F.linear(x, q.to(x.dtype), base.bias)
+            return gemm.torch_linear(x, q.to(x.dtype), base.bias)  # half products without native kernels: gemm.py
         return forward
 
     @contextmanager
