@@ -153,7 +153,7 @@ def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float
     separate_score = t.anchor == "score"
     update_s, score_s = m["time/update_s"], m.get("time/score_s") or 0.0
     flops = 3 * fwd + (fwd if separate_score else 0.0)
-    return {"gemm": str(t.gemm), "compile": str(t.compiled), "rows": rows, "mean_sequence_tokens": round(seq, 1), "response_tokens": round(responses),
+    return {"gemm": str(t.machine.gemm), "compile": str(t.machine.compilation), "rows": rows, "mean_sequence_tokens": round(seq, 1), "response_tokens": round(responses),
             "score_pass": "separate" if separate_score else "fused into the training forward",
             "update_s": round(update_s, 2), "score_s": round(score_s, 2), "generate_s": round(m.get("time/generate_s", 0), 2),
             "step_s": round(m["time/step_s"], 2), "compile_s_last_step": round(m["time/compile_s"], 2),
