@@ -1,4 +1,4 @@
-"""Inductor compilation of the two engines' layers: config ``compile: auto | on | off | engine | learner``.
+"""Inductor compilation of the two engines' layers: config ``compile: auto | measure | on | off | engine | learner``.
 
 What compiles (``torch.compile``, dynamic shapes):
 

@@ -361,6 +361,7 @@ class _Linear(torch.autograd.Function):
 
 @functools.cache
 def _half_route(dtype: torch.dtype, mkldnn_enabled: bool) -> bool:
+    """:func:`half_kernels`' answer, once per dtype and oneDNN switch (``mkldnn_enabled`` is the cache's key)."""
     return not half_kernels(dtype)
 
 
@@ -390,6 +391,15 @@ def _half_product(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dty
     return F.linear(x2.float(), w.float(), None if b is None else b.float()).to(dtype)
 
 
+def _half_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype):
+    """(``x @ w.T (+ b)`` in ``dtype`` by :func:`_half_product`, any leading dims of ``x``; ``x``'s rows and ``w``
+    in ``dtype``, which the backward keeps), outside autocast."""
+    x2, wh = _rows(x).to(dtype), w.to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        y = _half_product(x2, wh, None if b is None else b.to(dtype), dtype)
+    return _unrows(y, x.shape), x2, wh
+
+
 class _HalfLinear(torch.autograd.Function):
     """``F.linear`` in bf16 / fp16 as fp32 products of the rounded operands, each rounded once to the dtype:
     y = ⌊x̃ w̃ᵀ + b̃⌉, dx = ⌊dy w̃⌉, dW = ⌊dyᵀ x̃⌉, db = ⌊Σ dy⌉ (x̃: x in the dtype; each gradient then in its
@@ -397,12 +407,10 @@ class _HalfLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, dtype):
-        x2, wh = _rows(x).to(dtype), w.to(dtype)
-        bh = None if b is None else b.to(dtype)
+        y, x2, wh = _half_forward(x, w, b, dtype)
         ctx.save_for_backward(x2, wh)
         ctx.meta = (x.shape, x.dtype, w.dtype, None if b is None else b.dtype, dtype)
-        with torch.autocast("cpu", enabled=False):
-            return _unrows(_half_product(x2, wh, bh, dtype), x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, gy):
@@ -427,9 +435,13 @@ def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         return _HalfLinear.apply(x, w, b, dtype)
-    with torch.autocast("cpu", enabled=False):
-        return _unrows(_half_product(_rows(x).to(dtype), w.to(dtype), None if b is None else b.to(dtype), dtype),
-                       x.shape)
+    return _half_forward(x, w, b, dtype)[0]
+
+
+def plain_product(dtype: torch.dtype):
+    """The product function for unpacked weights in ``dtype``, chosen once (the native engine's decode calls it per
+    product): :func:`torch_linear` where ``dtype`` takes the half route, else ``F.linear`` itself."""
+    return torch_linear if half_route(dtype) else F.linear
 
 
 def _routable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:

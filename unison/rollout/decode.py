@@ -50,6 +50,8 @@ class FastWeights:
 
     def __init__(self, model, packed: bool, rows: int = gemm.DECODE_ROWS):
         self.model, self.packed, self.rows = model, packed, rows
+        #: the products' function, chosen once (unpacked: F.linear, or gemm's half route on a CPU without kernels)
+        self.product = gemm.packed_linear if packed else gemm.plain_product(next(model.parameters()).dtype)
         self._fused = [fuse(layer) for layer in model.model.layers]
         self.layers: list[tuple] = []
         self.head: tuple = ()
@@ -67,7 +69,7 @@ class FastWeights:
         self.head = (conv(head.weight.detach()), _bias(head))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return gemm.packed_linear(x, w, b) if self.packed else gemm.torch_linear(x, w, b)
+        return self.product(x, w, b)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer on final-normed hidden states (the model's logit transform is the caller's)."""
@@ -85,7 +87,7 @@ def layer_forward(layer, w: tuple, packed: bool, rope, h: torch.Tensor, kc: torc
     :attr:`FastWeights.layers`; ``rope`` the model's ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
     product's input (q/k/v and gate/up share theirs, as the modules' separate products of one input would)."""
     qkv_w, qkv_b, qkv_n, o_w, o_b, gu_w, gu_b, gu_n, down_w, down_b = w
-    base = gemm.packed_linear if packed else gemm.torch_linear
+    base = gemm.packed_linear if packed else gemm.plain_product(h.dtype)  # chosen once per layer, not per product
     lin = base if act is None else (lambda x, w_, b_: base(act(x), w_, b_))
     attn, mlp = layer.self_attn, layer.mlp
     b, s, _ = h.shape
