@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 OUT ?= runs/demo
+# the default suite runs in this many pytest-xdist processes (0: one process, serially); the marked groups run serially
+TEST_WORKERS ?= 2
 
 .PHONY: install install-vllm install-smollm2 demo probe test test-slow test-vllm test-distributed test-compile test-faults test-browser lint bench docs clean
 
@@ -28,7 +30,7 @@ probe: install
 	$(VENV)/bin/unison probe --out $(OUT)-probe
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # the viewer's page and the docs site in Debian's headless chromium (apt-get install chromium; skipped without it)
 test-browser: install

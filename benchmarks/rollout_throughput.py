@@ -17,7 +17,11 @@ roofline: every decode step reads the model's matmul weights once (and the KV ca
 over the ``--max-new-tokens`` steps of a batch that is the best tokens/s this CPU allows, and
 ``roofline_fraction`` is the measured tokens/s over it (``bound``: which of the two limits; the memory
 bound assumes the weights do not stay in the CPU's caches — true of SmolLM2's 540 MB in fp32, not of
-the tiny model's 3 MB, whose fraction therefore means little). With
+the tiny model's 3 MB, whose fraction therefore means little). At 32 rows no library reaches the 2048³ peak, so
+``shape_bound`` is the bound the step's own shapes allow (issue 56): the step's products alone, by the engine's own
+product function over its own weights, plus attention over a cache of the steps' mean length, timed on this CPU;
+``fraction`` is the measured tokens/s over it, and the step's time beyond it is what norms, rotary embedding,
+residuals, cache writes, the sampler and Python cost. With
 ``--update-steps N`` (default 1) it also runs N RL steps of ``unison train`` on the model (the probe's 8
 chat prompts, ``--batch`` responses of up to ``--max-new-tokens`` tokens, fp32, a length reward) and
 reports the update's FLOP/s — 6 × the decoder's matmul parameters × tokens and 6 × the output layer's ×
@@ -118,6 +122,44 @@ def decode_roofline(model, batch: int, prompt_len: float, new_tokens: int, bytes
             "compute_bound_tokens_per_s": round(batch * new_tokens / t_flop, 1)}
 
 
+def decode_shape_bound(engine, batch: int, prompt_len: float, new_tokens: int, repeats: int) -> dict:
+    """What a decode step cannot do without, at the shapes it runs: every product it makes (each layer's fused
+    q/k/v, o, fused gate/up and down, and the output layer; one row per response) by the engine's own product
+    function over the engine's own weights (packed where it packs them), and each layer's attention over a cache
+    of the steps' mean length — timed alone, best of ``repeats`` steps. The 2048³ peak is out of reach at 32
+    rows; this is the bound the step's shapes allow on this CPU. What the step spends beyond it (norms, rotary
+    embedding, residuals, cache writes, the sampler, Python) is the gap."""
+    fast, c = engine.fast, engine.model.config
+    dtype = next(engine.model.parameters()).dtype
+    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    x_d = torch.randn(batch, 1, c.hidden_size, dtype=dtype)
+    x_o = torch.randn(batch, 1, heads * head_dim, dtype=dtype)
+    x_i = torch.randn(batch, 1, c.intermediate_size, dtype=dtype)
+    ctx = int(round(prompt_len + (new_tokens - 1) / 2))  # the mean number of keys a step attends over
+    q = torch.randn(batch, heads, 1, head_dim, dtype=dtype)
+    caches = [(torch.randn(batch, kv, ctx + new_tokens, head_dim, dtype=dtype),
+               torch.randn(batch, kv, ctx + new_tokens, head_dim, dtype=dtype)) for _ in fast.layers]
+    mask = torch.ones(batch, 1, 1, ctx, dtype=torch.bool)
+
+    def products():
+        for qkv_w, qkv_b, _, o_w, o_b, gu_w, gu_b, _, d_w, d_b in fast.layers:
+            fast.linear(x_d, qkv_w, qkv_b), fast.linear(x_o, o_w, o_b)
+            fast.linear(x_d, gu_w, gu_b), fast.linear(x_i, d_w, d_b)
+        fast.logits(x_d)
+
+    def attention():
+        for kc, vc in caches:
+            torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :ctx], vc[:, :, :ctx], attn_mask=mask,
+                                                             enable_gqa=True)
+
+    with torch.no_grad():
+        products(), attention()  # warm
+        t_p, t_a = best_of(products, repeats), best_of(attention, repeats)
+    return {"tokens_per_s": round(batch / (t_p + t_a), 1), "products_ms_per_step": round(1e3 * t_p, 2),
+            "attention_ms_per_step": round(1e3 * t_a, 2), "mean_keys": ctx}
+
+
 def update_flops(model_dir, batch: int, new_tokens: int, steps: int, peak: float, compile_: str = "off") -> dict:
     """``steps`` RL steps of ``unison train`` (fp32, the probe's 8 prompts); the last step's update and score
     pass in FLOP/s against the matmul peak."""
@@ -188,7 +230,7 @@ def main() -> None:
         dtype = DTYPES[name]
         params = SamplingParams(n=1, max_tokens=args.max_new_tokens, seed=0, ignore_eos=True)
         n_tokens = args.batch * args.max_new_tokens
-        by_gemm = {}
+        by_gemm, engines = {}, {}
         for lib in (peaks if dtype == torch.float32 else ["blas"]):  # bf16/fp16 linears are oneDNN's in torch already
             gemm.use(lib)  # the engine's linears follow the library chosen when it is loaded
             engine = make_engine("native", model_dir, dtype)
@@ -196,6 +238,7 @@ def main() -> None:
             prompts = [tok(texts[i % len(texts)])["input_ids"] for i in range(args.batch)]
             engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
             by_gemm[lib] = best_of(lambda: engine.generate(prompts, params), args.repeats)
+            engines[lib] = engine
         gemm.use("blas")  # HF generate and the generic path below: torch's own linears, as before
         lib_native = min(by_gemm, key=by_gemm.get)
         t_native = by_gemm[lib_native]
@@ -246,6 +289,14 @@ def main() -> None:
             roof = {k: v for k, v in roof.items() if not k.startswith("compute")}
             roof["bound_tokens_per_s"], roof["bound"] = roof["memory_bound_tokens_per_s"], "memory (fp32 peak only)"
         row["roofline"] = {**roof, "roofline_fraction": round(row["native_tokens_per_s"] / roof["bound_tokens_per_s"], 3)}
+        gemm.use(lib_native)
+        engine = engines.pop(lib_native)  # the faster library's engine
+        engines.clear()
+        shape = decode_shape_bound(engine, args.batch, prompt_len, args.max_new_tokens, max(3, args.repeats))
+        step_ms = 1e3 * t_native / args.max_new_tokens
+        row["shape_bound"] = {**shape, "native_ms_per_step": round(step_ms, 2),
+                              "fraction": round(row["native_tokens_per_s"] / shape["tokens_per_s"], 3)}
+        gemm.use("blas")
         if compiled is not None:
             compiled["roofline_fraction"] = round(compiled["tokens_per_s"] / roof["bound_tokens_per_s"], 3)
             row["native_compiled"] = compiled
