@@ -27,6 +27,7 @@ def test_rollout_throughput_reports_the_decode_and_the_update_against_the_bound(
     assert r["native_tokens_per_s"] > 0 and 0 < r["roofline"]["roofline_fraction"]
     sb = r["shape_bound"]  # the step's own products and attention, timed alone
     assert sb["products_ms_per_step"] > 0 and sb["attention_ms_per_step"] > 0 and sb["mean_keys"] >= 4
+    assert sb["products_cache_hot_ms_per_step"] > 0
     assert sb["tokens_per_s"] == pytest.approx(4e3 / (sb["products_ms_per_step"] + sb["attention_ms_per_step"]),
                                                rel=0.02)
     assert sb["fraction"] == pytest.approx(r["native_tokens_per_s"] / sb["tokens_per_s"], rel=0.02)

@@ -160,3 +160,33 @@ def test_token_logprobs_alignment_temperature_and_entropy_by_hand():
     assert ent.tolist()[0] == pytest.approx([0.0, math.log(3), -sum(q * math.log(q) for q in p)], rel=1e-6)
     masked = token_logprobs(model, tokens, torch.tensor([[1, 1, 0]]))
     assert masked[0, 2].item() == 0.0  # padding position
+
+
+def test_a_half_precision_decode_step_attends_in_fp32_and_rounds_once():
+    """q = [1, 0] over keys [1, 0], [0, 1] with values [1, 2], [3, 4], scale 1: weights softmax([1, 0]) =
+    [e, 1] / (1 + e) = [0.7311, 0.2689], output [1.5379, 2.5379]; one rounding to bf16 (steps of 2⁻⁷ in [1, 2),
+    2⁻⁶ in [2, 4)) gives 1.5390625 and 2.53125."""
+    from unison.rollout.decode import attend
+
+    q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 1, 2, 2)
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).view(1, 1, 2, 2)
+    mask = torch.ones(1, 1, 1, 2, dtype=torch.bool)
+    assert attend(q, k, v, mask, 1.0).flatten().tolist() == pytest.approx([1.5379, 2.5379], abs=1e-4)
+    out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 1.0)
+    assert out.dtype == torch.bfloat16 and out.flatten().tolist() == [1.5390625, 2.53125]
+    # random shapes as a decode step has them (grouped heads, a masked key): the fp32 attention of the rounded
+    # q, K, V, rounded once; a prefill (several query rows) keeps torch's own half-precision kernel
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 1, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g),
+               torch.randn(2, 3, 5, 8, generator=g))
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[0, ..., 1] = False
+    for dt in (torch.bfloat16, torch.float16):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.to(dt).float(), k.to(dt).float(), v.to(dt).float(),
+                                                               attn_mask=mask, scale=0.3, enable_gqa=True).to(dt)
+        assert torch.equal(attend(q.to(dt), k.to(dt), v.to(dt), mask, 0.3), ref)
+        qp, mp = q.expand(2, 6, 3, 8).to(dt), mask.expand(2, 1, 3, 5)
+        own = torch.nn.functional.scaled_dot_product_attention(qp, k.to(dt), v.to(dt), attn_mask=mp, scale=0.3,
+                                                               enable_gqa=True)
+        assert torch.equal(attend(qp, k.to(dt), v.to(dt), mp, 0.3), own)

@@ -190,8 +190,10 @@ def test_without_native_kernels_both_engines_route_and_precision_still_orders_th
     from unison.sides import Side
 
     calls = []
-    real = gemm._half_product
+    real, rounded = gemm._half_product, gemm.rounded_product
     monkeypatch.setattr(gemm, "_half_product", lambda *a: calls.append(a[3]) or real(*a))
+    # the engine multiplies by fp32 copies of its half weights (FastWeights.copies): the same fp32 product
+    monkeypatch.setattr(gemm, "rounded_product", lambda x, w, b: calls.append(x.dtype) or rounded(x, w, b))
     learner, k3 = Learner(tiny_dir), {}
     for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]:
         engine = make_engine("native", tiny_dir, dtype)
@@ -205,6 +207,60 @@ def test_without_native_kernels_both_engines_route_and_precision_still_orders_th
         linears = sum(type(m) is torch.nn.Linear for m in learner.model.modules())
         assert (len(calls) >= linears) == (dtype != torch.float32) and set(calls) <= {dtype}  # every layer's
     assert k3["bf16"] > 5 * k3["fp16"] > 5 * k3["fp32"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_engines_fp32_copies_of_half_weights_sample_the_same_bits_and_follow_a_sync(no_half_kernels, tiny_dir,
+                                                                                        dtype):
+    from unison.rollout import SamplingParams, make_engine
+
+    prompts, params = [[3, 5, 7], [9, 4]] * 2, SamplingParams(n=2, max_tokens=24, seed=0)
+    copies, casts = make_engine("native", tiny_dir, dtype), make_engine("native", tiny_dir, dtype)
+    assert copies.fast.copies and copies.fast.layers[0][0].dtype == torch.float32
+    casts.fast.copies, casts.fast.product = False, gemm.plain_product(dtype)  # each product casts its half weight
+    casts.fast.refresh()
+    assert casts.fast.layers[0][0].dtype == dtype
+
+    def same(a, b):
+        outs = a.generate(prompts, params), b.generate(prompts, params)
+        return all(x.token_ids == y.token_ids and torch.equal(torch.tensor(x.logprobs), torch.tensor(y.logprobs))
+                   for x, y in zip(*outs))
+
+    assert same(copies, casts)
+    g = torch.Generator().manual_seed(1)  # a sync: the copies are taken anew
+    new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in copies.model.named_parameters()]
+    before = copies.fast.layers[0][0].clone()
+    copies.load_weights(new), casts.load_weights(new)
+    a = copies.model.model.layers[0].self_attn
+    qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).float()
+    assert not torch.equal(before, qkv) and torch.equal(copies.fast.layers[0][0], qkv) and same(copies, casts)
+
+
+@needs_onednn
+def test_on_onednn_the_fp32_copies_are_packed_and_round_as_the_route_does(no_half_kernels, tiny_dir):
+    from unison.rollout import SamplingParams, make_engine
+
+    gemm.use("onednn")
+    try:
+        e = make_engine("native", tiny_dir, torch.bfloat16)
+    finally:
+        gemm.use("blas")
+    assert e.fast.packed and e.fast.copies and e.fast.product is gemm.packed_rounded
+    a = e.model.model.layers[0].self_attn
+    x = torch.randn(8, a.q_proj.weight.shape[1]).bfloat16()
+
+    def off_route() -> float:  # the packed copy's product against the route's on the layer's current weights
+        wh = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        got, route = e.fast.product(x, e.fast.layers[0][0], None).float(), gemm.torch_linear(x, wh).float()
+        return ((got - route).abs().max() / route.abs().max()).item()
+
+    assert off_route() <= 2.0 ** -7  # fp32 sums in another order, one rounding: at most about one unit apart
+    g = torch.Generator().manual_seed(1)
+    new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in e.model.named_parameters()]
+    e.load_weights(new)  # a sync packs the copies anew
+    assert off_route() <= 2.0 ** -7
+    out = e.generate([[3, 5, 7], [9, 4]], SamplingParams(n=2, max_tokens=16, seed=0))
+    assert all(len(o.token_ids) == 16 or o.token_ids[-1] == e.tokenizer.eos_token_id for o in out)
 
 
 # ----------------------------------------------------------------------------- a run

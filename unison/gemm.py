@@ -438,6 +438,27 @@ def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     return _half_forward(x, w, b, dtype)[0]
 
 
+def rounded_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ b)`` for bf16 / fp16 ``x`` by fp32 copies ``w`` / ``b`` of half weights (the native engine's, on a
+    CPU that takes :func:`half_route`): the fp32 product rounded once to ``x``'s dtype — bitwise
+    :func:`torch_linear` on the half weights, without casting the weight on every call."""
+    return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def packed_rounded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rounded_product` by a :func:`pack`-ed fp32 copy: oneDNN's fp32 product, rounded once to ``x``'s dtype
+    (the half route's arithmetic, summed in oneDNN's order as an fp32 engine on ``gemm: onednn`` sums)."""
+    return _unrows(_onednn(_rows(x).float(), w, b), x.shape).to(x.dtype)
+
+
+def decode_product(packed: bool, copies: bool, dtype: torch.dtype):
+    """The native engine's product function: by packed weights (:func:`pack`) or plain ones, and by fp32 copies of
+    half weights (``copies``: :func:`half_route`) or by the weights in the engine's dtype."""
+    if copies:
+        return packed_rounded if packed else rounded_product
+    return packed_linear if packed else plain_product(dtype)
+
+
 def plain_product(dtype: torch.dtype):
     """The product function for unpacked weights in ``dtype``, chosen once (the native engine's decode calls it per
     product): :func:`torch_linear` where ``dtype`` takes the half route, else ``F.linear`` itself."""

@@ -48,10 +48,14 @@ class FastWeights:
     products, or bf16 / fp16 there; packed for products of about ``rows`` rows). :meth:`refresh` after the weights
     changed."""
 
-    def __init__(self, model, packed: bool, rows: int = gemm.DECODE_ROWS):
+    def __init__(self, model, packed: bool, rows: int = gemm.DECODE_ROWS, copies: bool = False):
         self.model, self.packed, self.rows = model, packed, rows
-        #: the products' function, chosen once (unpacked: F.linear, or gemm's half route on a CPU without kernels)
-        self.product = gemm.packed_linear if packed else gemm.plain_product(next(model.parameters()).dtype)
+        #: bf16 / fp16 weights on a CPU without native kernels for them (gemm's half route): kept as fp32 copies of
+        #: their rounded values, refreshed per sync, so that a product does not cast its weight to fp32 every call
+        #: (the same numbers: a half value is exact in fp32; twice the half weights' memory)
+        self.copies = copies
+        #: the products' function, chosen once (gemm.decode_product)
+        self.product = gemm.decode_product(packed, copies, next(model.parameters()).dtype)
         self._fused = [fuse(layer) for layer in model.model.layers]
         self.layers: list[tuple] = []
         self.head: tuple = ()
@@ -59,14 +63,16 @@ class FastWeights:
 
     def refresh(self) -> None:
         """Take the model's current weights (packed: pack them anew; plain: the parameters themselves)."""
-        conv = (lambda w: gemm.pack(w, self.rows)) if self.packed else (lambda w: w)
+        copy = (lambda w: w.float()) if self.copies else (lambda w: w)
+        conv = (lambda w: gemm.pack(copy(w), self.rows)) if self.packed else copy
+        cb = (lambda b: b if b is None else b.float()) if self.copies else (lambda b: b)  # biases
         self.layers = []
         for layer, ((qkv_w, qkv_b, qkv_n), (gu_w, gu_b, gu_n)) in zip(self.model.model.layers, self._fused):
             o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            self.layers.append((conv(qkv_w), qkv_b, qkv_n, conv(o.weight.detach()), _bias(o),
-                                conv(gu_w), gu_b, gu_n, conv(down.weight.detach()), _bias(down)))
+            self.layers.append((conv(qkv_w), cb(qkv_b), qkv_n, conv(o.weight.detach()), cb(_bias(o)),
+                                conv(gu_w), cb(gu_b), gu_n, conv(down.weight.detach()), cb(_bias(down))))
         head = self.model.get_output_embeddings()
-        self.head = (conv(head.weight.detach()), _bias(head))
+        self.head = (conv(head.weight.detach()), cb(_bias(head)))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return self.product(x, w, b)
@@ -87,7 +93,7 @@ def layer_forward(layer, w: tuple, packed: bool, rope, h: torch.Tensor, kc: torc
     :attr:`FastWeights.layers`; ``rope`` the model's ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
     product's input (q/k/v and gate/up share theirs, as the modules' separate products of one input would)."""
     qkv_w, qkv_b, qkv_n, o_w, o_b, gu_w, gu_b, gu_n, down_w, down_b = w
-    base = gemm.packed_linear if packed else gemm.plain_product(h.dtype)  # chosen once per layer, not per product
+    base = gemm.decode_product(packed, w[0].dtype != h.dtype, h.dtype)  # once per layer; fp32 copies: FastWeights
     lin = base if act is None else (lambda x, w_, b_: base(act(x), w_, b_))
     attn, mlp = layer.self_attn, layer.mlp
     b, s, _ = h.shape
@@ -103,11 +109,22 @@ def layer_forward(layer, w: tuple, packed: bool, rope, h: torch.Tensor, kc: torc
         k, v = kv(k, v)
     kc[:, :, start:end] = k
     vc[:, :, start:end] = v
-    o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=True)
+    o = attend(q, kc[:, :, :end], vc[:, :, :end], mask, attn.scaling)
     h = h + _as_module(attn.o_proj, lin, o.transpose(1, 2).reshape(b, s, -1), o_w, o_b)
     gate, up = lin(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
     return h + _as_module(mlp.down_proj, lin, mlp.act_fn(gate) * up, down_w, down_b)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``q`` [b, heads, s, d] over the cache's ``k`` / ``v`` [b, kv heads, keys, d] under ``mask``.
+    A bf16 / fp16 decode step (one query row) on the CPU attends in fp32 and rounds its output once to the dtype:
+    torch's CPU kernel for them takes 4–7× fp32's time at one query row (SmolLM2, 9 heads over 70 keys: 2.4 ms
+    against 0.4 ms a layer at 32 rows, AMD EPYC Zen 4); the two differ by about one unit of the dtype's rounding,
+    and what it does to the engine–learner mismatch is measured in docs/cpu.md. Prefills keep torch's kernel."""
+    if q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                              enable_gqa=True).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def _as_module(module, lin, x, w, b):

@@ -84,9 +84,12 @@ class NativeEngine:
         if self.path == "fast":
             self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
             n_params = sum(p.numel() for p in self.model.parameters())
+            # a half engine on a CPU without kernels for it multiplies by fp32 copies (packed as fp32's are)
+            copies = self.device.type == "cpu" and not exact and gemm.half_route(dtype)
             packed = self.device.type == "cpu" and not exact and (
-                gemm.engine_choice() == "onednn" and dtype == torch.float32 or gemm.packs_half(dtype, n_params))
-            self.fast = FastWeights(self.model, packed, decode_rows)
+                gemm.engine_choice() == "onednn" and (dtype == torch.float32 or copies)
+                or gemm.packs_half(dtype, n_params))
+            self.fast = FastWeights(self.model, packed, decode_rows, copies=copies)
 
         #: rollout.state_dtype=model: a recurrent model's state rounded to the compute dtype after every forward
         check_state_dtype(side.state, self.config)
@@ -167,8 +170,8 @@ class NativeEngine:
             held = self._held(name, tensor)  # refuses a name the rollout model does not have
             self._params[name].copy_(held)
             count += 1
-        if count and self.fast is not None and self.fast.packed:
-            self.fast.refresh()  # the packed copies, anew
+        if count and self.fast is not None and (self.fast.packed or self.fast.copies):
+            self.fast.refresh()  # the packed (or fp32) copies, anew
         if count and self.kv is not None:
             self.kv.reset()  # sync scales: measured anew by the next batch
         return count
