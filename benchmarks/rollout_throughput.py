@@ -52,7 +52,7 @@ import torch
 from unison import gemm, runtime
 from unison.models import load_model, resolve_model_dir
 from unison.precision import DTYPES
-from unison.rollout import SamplingParams, make_engine
+from unison.rollout import SamplingParams, decode, make_engine
 from unison.sides import Side
 
 
@@ -152,8 +152,7 @@ def decode_shape_bound(engine, batch: int, prompt_len: float, new_tokens: int, r
 
     def attention():
         for kc, vc in caches:
-            torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :ctx], vc[:, :, :ctx], attn_mask=mask,
-                                                             enable_gqa=True)
+            decode.attend(q, kc[:, :, :ctx], vc[:, :, :ctx], mask, head_dim ** -0.5)  # the engine's own
 
     def hot(fn, x, w, b):  # one product again and again on one weight: in the CPU's caches after the first call
         fn(x, w, b)
@@ -242,7 +241,9 @@ def main() -> None:
         params = SamplingParams(n=1, max_tokens=args.max_new_tokens, seed=0, ignore_eos=True)
         n_tokens = args.batch * args.max_new_tokens
         by_gemm, engines = {}, {}
-        for lib in (peaks if dtype == torch.float32 else ["blas"]):  # bf16/fp16 linears are oneDNN's in torch already
+        # bf16/fp16 linears are oneDNN's in torch already, except on a CPU without kernels for them: there the
+        # engine's products are fp32 ones (gemm.half_route) and each library is timed as for fp32
+        for lib in (peaks if dtype == torch.float32 or gemm.half_route(dtype) else ["blas"]):
             gemm.use(lib)  # the engine's linears follow the library chosen when it is loaded
             engine = make_engine("native", model_dir, dtype)
             tok = engine.tokenizer

@@ -51,3 +51,11 @@ def test_gemm_auto_repeats_the_decision_and_times_both_libraries():
     for role in ("learner", "engine"):
         assert sum(d[role]["chosen"].values()) == 1 and len(d[role]["long_ratio_blas_over_onednn"]) == 3
     assert len(d["decision_s"]) == 1
+
+
+def test_half_attention_compares_both_attentions_mismatch_and_speed():
+    d = _run("half_attention.py", "--dtypes", "bf16", "--batch", "2", "--max-new-tokens", "4", "--seeds", "2",
+             "--rounds", "2", "--threads", "1")
+    row = d["dtypes"]["bf16"]
+    assert set(row["k3"]) == {"torch kernel", "fp32 attention"} and all(len(a["seeds"]) == 2 for a in row["k3"].values())
+    assert all(v > 0 for v in row["tokens_per_s"].values()) and row["fp32_over_torch"] > 0

@@ -391,3 +391,24 @@ def test_a_small_model_keeps_the_unfused_head_and_for_each_adamw(tiny_dir):
     assert "HeadLogp" not in type(lp.grad_fn).__name__
     lp, _ = policy._head_logp(h, torch.tensor([1, 2, 3, 4]), tiny.get_output_embeddings(), 1.0, None, False)
     assert "HeadLogp" in type(lp.grad_fn).__name__
+
+
+def test_a_half_engine_on_the_route_has_its_library_decided_as_an_fp32_engines(no_half_kernels, monkeypatch):
+    """Its products are fp32 ones (the fp32 copies): gemm's auto measures it as an fp32 engine; with kernels, not."""
+    from unison import machine
+    from unison.compilation import RunShape
+    from unison.precision import Precision
+
+    seen = []
+
+    def fake_setup(*a, **kw):
+        seen.append(kw["engine_fp32"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(machine, "setup", fake_setup)
+    cfg = load_config(None, [*BASE, "precision=fp16"])
+    for routes in (True, False):
+        monkeypatch.setattr(gemm, "half_route", lambda dtype, r=routes: r and dtype != torch.float32)
+        with pytest.raises(RuntimeError, match="stop here"):
+            machine.decide(cfg, None, Precision.resolve("fp16"), RunShape(steps=2, rows=8, new_tokens=6, prompt_tokens=4, micro_batches=1, micro_tokens=64))
+    assert seen == [True, False]
