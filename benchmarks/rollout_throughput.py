@@ -154,17 +154,16 @@ def decode_shape_bound(engine, batch: int, prompt_len: float, new_tokens: int, r
         for kc, vc in caches:
             decode.attend(q, kc[:, :, :ctx], vc[:, :, :ctx], mask, head_dim ** -0.5)  # the engine's own
 
-    def hot(fn, x, w, b):  # one product again and again on one weight: in the CPU's caches after the first call
-        fn(x, w, b)
-        return best_of(lambda: fn(x, w, b), 5)
+    def hot(x, w, b):  # one product again and again on one weight: in the CPU's caches after the first call
+        fast.linear(x, w, b)
+        return best_of(lambda: fast.linear(x, w, b), 5)
 
     with torch.no_grad():
         products(), attention()  # warm
         t_p, t_a = best_of(products, repeats), best_of(attention, repeats)
         qkv_w, qkv_b, _, o_w, o_b, gu_w, gu_b, _, d_w, d_b = fast.layers[0]
-        lin = fast.linear
-        t_hot = len(fast.layers) * (hot(lin, x_d, qkv_w, qkv_b) + hot(lin, x_o, o_w, o_b) + hot(lin, x_d, gu_w, gu_b)
-                                    + hot(lin, x_i, d_w, d_b)) + hot(lin, x_d, *fast.head)
+        t_hot = len(fast.layers) * (hot(x_d, qkv_w, qkv_b) + hot(x_o, o_w, o_b) + hot(x_d, gu_w, gu_b)
+                                    + hot(x_i, d_w, d_b)) + hot(x_d, *fast.head)
     return {"tokens_per_s": round(batch / (t_p + t_a), 1), "products_ms_per_step": round(1e3 * t_p, 2),
             "attention_ms_per_step": round(1e3 * t_a, 2), "mean_keys": ctx,
             "products_cache_hot_ms_per_step": round(1e3 * t_hot, 2)}

@@ -223,7 +223,7 @@ def measure_engine(model_dir, shape: RunShape, packed: bool, log=None, rounds: i
     pos = torch.full((b, 1), ctx, dtype=torch.long)
     cos, sin = model.model.rotary_emb(h, pos)
     mask = torch.ones(b, 1, 1, ctx + 1, dtype=torch.bool)
-    args = (layer, w, packed, rope, h, kc, vc, cos, sin, mask, ctx)
+    args = (layer, w, fast.product, rope, h, kc, vc, cos, sin, mask, ctx)
     eager = _best(lambda: layer_forward(*args), rounds)
     per_step = layers * shape.new_tokens
     if eager * per_step * shape.steps / 2 < ASSUMED_COMPILE_S:

@@ -371,6 +371,13 @@ def half_route(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and _half_route(dtype, torch.backends.mkldnn.enabled)
 
 
+def engine_copies(dtype: torch.dtype, device: str, exact: bool) -> bool:
+    """Whether the native engine multiplies by fp32 copies of its ``dtype`` weights (unison/rollout/decode.py,
+    ``FastWeights.copies``): a half dtype on a CPU without kernels for it (:func:`half_route`), outside exact mode.
+    Its products are then fp32 ones, and its library is decided as an fp32 engine's (unison/machine.py)."""
+    return device == "cpu" and not exact and half_route(dtype)
+
+
 def _half_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
     """The half dtype a CPU product of ``x`` and ``w`` computes in, where :func:`half_route` takes it: theirs, or
     autocast's for fp32 operands; None otherwise."""

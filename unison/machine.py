@@ -19,10 +19,9 @@ def decide(cfg, model_dir, prec, shape, world_size: int = 1, gemm_setting=None, 
     ``shape``: the run's shapes, :func:`unison.compilation.run_shape`). ``gemm_setting`` / ``compile_setting``:
     the settings to decide from (a resumed run's recorded choices), the config's by default."""
     native = cfg.engine == "native"
-    # the native engine's products are fp32 ones in fp32, and for a half dtype the CPU has no kernels for (its fp32
-    # copies of the half weights, gemm.half_route): then its library is decided as an fp32 engine's
-    engine_fp32 = native and (prec.rollout_dtype == torch.float32 or
-                              cfg.device == "cpu" and not cfg.exact and gemm.half_route(prec.rollout_dtype))
+    # the native engine's products are fp32 ones in fp32, and by its fp32 copies of half weights (gemm.engine_copies)
+    engine_fp32 = native and (prec.rollout_dtype == torch.float32
+                              or gemm.engine_copies(prec.rollout_dtype, cfg.device, cfg.exact))
     rt = setup(cfg.threads, gemm_setting or cfg.gemm, model_dir, device=cfg.device, world_size=world_size,
                fp32=prec.learner_dtype == torch.float32, engine_fp32=engine_fp32, decode_rows=shape.rows)
     comp = compilation.decide(compile_setting or cfg.compile, model_dir, rt.sizes.params, shape, exact=cfg.exact,

@@ -86,15 +86,14 @@ def _bias(linear) -> torch.Tensor | None:
     return linear.bias.detach() if linear.bias is not None else None
 
 
-def layer_forward(layer, w: tuple, packed: bool, rope, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+def layer_forward(layer, w: tuple, product, rope, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, start: int, act=None, kv=None) -> torch.Tensor:
     """One decoder layer: ``h`` [b, s, d] at cache positions ``start`` … ``start + s − 1`` (K/V written there),
     attending over the cache up to them under ``mask`` [b, 1, s, keys]; ``w`` one entry of
-    :attr:`FastWeights.layers`; ``rope`` the model's ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
+    :attr:`FastWeights.layers` and ``product`` its :attr:`FastWeights.product` (chosen once); ``rope`` the model's ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
     product's input (q/k/v and gate/up share theirs, as the modules' separate products of one input would)."""
     qkv_w, qkv_b, qkv_n, o_w, o_b, gu_w, gu_b, gu_n, down_w, down_b = w
-    base = gemm.decode_product(packed, w[0].dtype != h.dtype, h.dtype)  # once per layer; fp32 copies: FastWeights
-    lin = base if act is None else (lambda x, w_, b_: base(act(x), w_, b_))
+    lin = product if act is None else (lambda x, w_, b_: product(act(x), w_, b_))
     attn, mlp = layer.self_attn, layer.mlp
     b, s, _ = h.shape
     end = start + s

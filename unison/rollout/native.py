@@ -85,7 +85,7 @@ class NativeEngine:
             self._rope = sys.modules[type(self.model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
             n_params = sum(p.numel() for p in self.model.parameters())
             # a half engine on a CPU without kernels for it multiplies by fp32 copies (packed as fp32's are)
-            copies = self.device.type == "cpu" and not exact and gemm.half_route(dtype)
+            copies = gemm.engine_copies(dtype, self.device.type, exact)
             packed = self.device.type == "cpu" and not exact and (
                 gemm.engine_choice() == "onednn" and (dtype == torch.float32 or copies)
                 or gemm.packs_half(dtype, n_params))
@@ -425,10 +425,10 @@ class _FastBackend(_CacheBackend):
         core = eng.model.model
         h = core.embed_tokens(ids)
         cos, sin = core.rotary_emb(h, pos)
-        fast, rope, packed = eng.fast, eng._rope, eng.fast.packed
+        fast, rope = eng.fast, eng._rope
         for i, (layer, (kc, vc), w) in enumerate(zip(core.layers, self.cache, fast.layers)):
             kv = None if eng.kv is None else functools.partial(eng.kv.apply, i, rows=self.kv_rows)
-            h = eng.kernels.layer(layer, w, packed, rope, h, kc, vc, cos, sin, mask, start, act=eng.act_quant, kv=kv)
+            h = eng.kernels.layer(layer, w, fast.product, rope, h, kc, vc, cos, sin, mask, start, act=eng.act_quant, kv=kv)
         if want is not None:
             return core.norm(h[want])
         return fast.logits(core.norm(h[:, -1]))
