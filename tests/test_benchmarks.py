@@ -57,5 +57,9 @@ def test_half_attention_compares_both_attentions_mismatch_and_speed():
     d = _run("half_attention.py", "--dtypes", "bf16", "--batch", "2", "--max-new-tokens", "4", "--seeds", "2",
              "--rounds", "2", "--threads", "1")
     row = d["dtypes"]["bf16"]
-    assert set(row["k3"]) == {"torch kernel", "fp32 attention"} and all(len(a["seeds"]) == 2 for a in row["k3"].values())
+    arms = {f"{a}, {p}" for a in ("torch kernel", "fp32 attention") for p in ("fp32", "compute")}
+    assert set(row["k3"]) == arms and all(len(a["seeds"]) == 2 for a in row["k3"].values())
+    assert set(row["identical"]) == arms and all(0 <= f <= 1 for f in row["identical"].values())
     assert all(v > 0 for v in row["tokens_per_s"].values()) and row["fp32_over_torch"] > 0
+    assert set(row["learner_forward_backward_s"]) == {"torch kernel", "fp32 attention"}
+    assert all(v > 0 for v in row["learner_forward_backward_s"].values()) and row["learner_fp32_over_torch"] > 0

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from unison import gemm
 from unison.data_io import read_metrics
 
 pytestmark = pytest.mark.distributed
@@ -136,10 +137,17 @@ def test_low_precision_trains_on_two_ranks_and_compute_params_match_the_engine(e
             assert row["optim/skipped_steps"] == 0 and row["optim/grad_norm"] > 0
             assert row["optim/loss_scale"] == (2.0**16 if prec == "fp16" else 1.0)
         k3[out] = max(row["mismatch/k3"] for row in rows)
-    # parameters all-gathered in bf16 compute as the native engine does (bf16 weights, no autocast):
-    # measured k3 ~2e-14 here against ~3e-4 for fp32 parameters under autocast
-    assert k3["bf16-compute"] < 1e-3 * k3["bf16-fp32"]
-    assert k3["fp16-None"] < 1e-9  # the default is compute
+    # parameters all-gathered in the compute dtype compute as the native engine does (half weights, no autocast,
+    # the same attention: unison/attention.py): measured k3 ~2e-14 in bf16 against ~3e-4 for fp32 parameters under
+    # autocast, on CPUs with bf16 kernels (AMD Zen 4, Intel Xeon with AMX); 1.0e-4 when the engine attended in fp32
+    # and the learner by torch's bf16 kernel. fp16 where the CPU has fp16 kernels (the Xeon) is as close.
+    # On a CPU without kernels for the dtype (gemm's half route, both sides: fp32 products rounded once), an engine's
+    # decode step multiplies a few rows where the learner multiplies the whole batch, and BLAS sums 1-5 rows in
+    # another order than a larger product's same rows; a few of those last-bit differences survive the rounding:
+    # fp16 on Zen 4 measured 4.9-6.5e-8 (1.5-1.8e-6 while the ranks that receive their weights did not route).
+    # bf16 on such a CPU (AVX2-only) is not measured: bounded as fp16's ratio to its autocast figure (~1e-2).
+    assert k3["bf16-compute"] < (0.1 if gemm.half_route(torch.bfloat16) else 1e-3) * k3["bf16-fp32"]
+    assert k3["fp16-None"] < (5e-7 if gemm.half_route(torch.float16) else 1e-9)  # the default is compute
 
 
 def test_an_inf_in_one_ranks_shard_skips_the_step_everywhere(env, tmp_path):

@@ -162,10 +162,12 @@ def test_token_logprobs_alignment_temperature_and_entropy_by_hand():
     assert masked[0, 2].item() == 0.0  # padding position
 
 
-def test_a_half_precision_decode_step_attends_in_fp32_and_rounds_once():
+def test_half_precision_attention_runs_in_fp32_and_rounds_once_on_both_sides():
     """q = [1, 0] over keys [1, 0], [0, 1] with values [1, 2], [3, 4], scale 1: weights softmax([1, 0]) =
     [e, 1] / (1 + e) = [0.7311, 0.2689], output [1.5379, 2.5379]; one rounding to bf16 (steps of 2⁻⁷ in [1, 2),
-    2⁻⁶ in [2, 4)) gives 1.5390625 and 2.53125."""
+    2⁻⁶ in [2, 4)) gives 1.5390625 and 2.53125. The engine's attention (decode steps and prefills) and the
+    learner's (transformers' sdpa interface, under autocast too) are that rule."""
+    from unison import attention
     from unison.rollout.decode import attend
 
     q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
@@ -175,18 +177,38 @@ def test_a_half_precision_decode_step_attends_in_fp32_and_rounds_once():
     assert attend(q, k, v, mask, 1.0).flatten().tolist() == pytest.approx([1.5379, 2.5379], abs=1e-4)
     out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 1.0)
     assert out.dtype == torch.bfloat16 and out.flatten().tolist() == [1.5390625, 2.53125]
-    # random shapes as a decode step has them (grouped heads, a masked key): the fp32 attention of the rounded
-    # q, K, V, rounded once; a prefill (several query rows) keeps torch's own half-precision kernel
+    # random shapes as a decode step and a prefill have them (grouped heads, a masked key): the fp32 attention of
+    # the rounded q, K, V, rounded once, where torch's own half kernel differs
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 6, 1, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g),
+    q, k, v = (torch.randn(2, 6, 3, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g),
                torch.randn(2, 3, 5, 8, generator=g))
-    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
     mask[0, ..., 1] = False
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 2, False, False
     for dt in (torch.bfloat16, torch.float16):
-        ref = torch.nn.functional.scaled_dot_product_attention(q.to(dt).float(), k.to(dt).float(), v.to(dt).float(),
-                                                               attn_mask=mask, scale=0.3, enable_gqa=True).to(dt)
-        assert torch.equal(attend(q.to(dt), k.to(dt), v.to(dt), mask, 0.3), ref)
-        qp, mp = q.expand(2, 6, 3, 8).to(dt), mask.expand(2, 1, 3, 5)
-        own = torch.nn.functional.scaled_dot_product_attention(qp, k.to(dt), v.to(dt), attn_mask=mp, scale=0.3,
-                                                               enable_gqa=True)
-        assert torch.equal(attend(qp, k.to(dt), v.to(dt), mp, 0.3), own)
+        qh, kh, vh = q.to(dt), k.to(dt), v.to(dt)
+        ref = torch.nn.functional.scaled_dot_product_attention(qh.float(), kh.float(), vh.float(), attn_mask=mask,
+                                                               scale=0.3, enable_gqa=True).to(dt)
+        own = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=0.3, enable_gqa=True)
+        assert not torch.equal(own, ref)  # the rule is not torch's half kernel (it would pass vacuously)
+        assert torch.equal(attend(qh, kh, vh, mask, 0.3), ref)  # prefill, 3 query rows
+        assert torch.equal(attend(qh[:, :, 2:], kh, vh, mask[:, :, 2:], 0.3), ref[:, :, 2:])  # a decode step
+        with torch.autocast("cpu", dtype=dt):  # the learner under autocast: its q, K, V arrive rounded
+            got, _ = attention.hf_sdpa(module, qh, kh, vh, mask, scaling=0.3)
+        assert got.dtype == dt and torch.equal(got, ref.transpose(1, 2))  # transformers' [b, s, heads, d]
+    assert torch.equal(attend(q, k, v, mask, 0.3), torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True))  # fp32: torch's own
+
+
+def test_every_learner_model_attends_and_multiplies_as_the_engine(tiny_dir, monkeypatch):
+    """The rank that reads the weights and the ranks that receive them (a meta-device shell) compute alike: the
+    half-attention rule and gemm's routing on both (a shell without them scored differently from rank 0)."""
+    from unison import attention, gemm
+    from unison.models import model_shell
+
+    monkeypatch.setattr(gemm, "_choice", "onednn")  # a process whose linears gemm routes, on every CPU
+    loaded, shell = load_model(tiny_dir), model_shell(tiny_dir, for_training=True)
+    assert loaded.config._attn_implementation == shell.config._attn_implementation == attention.NAME
+    patched = [type(m) is torch.nn.Linear and "forward" in vars(m) for m in loaded.modules()]
+    assert any(patched) and patched == [type(m) is torch.nn.Linear and "forward" in vars(m) for m in shell.modules()]

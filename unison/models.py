@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from unison import gemm
+from unison import attention, gemm
 from unison.errors import UnisonError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -313,7 +313,15 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
         raise UnisonError(f"cannot load weights from '{model_dir}' ({e}): check the directory "
                           f"holds model.safetensors or pytorch_model.bin") from e
 
-    return gemm.apply(model.to(device).eval())  # fp32 linears by the process's chosen library (gemm: ...)
+    return _computing(model.to(device).eval())
+
+
+def _computing(model):
+    """``model`` computing as unison's sides do: half attention on the CPU as the engine attends
+    (unison/attention.py) and its linears by the process's library, half ones routed where the CPU has no kernels
+    for them (unison/gemm.py). Every model a learner scores with passes here, on every rank."""
+    attention.use(model)
+    return gemm.apply(model)
 
 
 #: families whose decoder layers the fused fast path runs
@@ -345,8 +353,8 @@ def attention_implementation(config) -> str:
 def model_shell(model_dir: Path, for_training: bool = False):
     """The model's modules with parameters on the meta device (shapes only, no memory, no weights
     read): for checks that need the architecture before anything is loaded, and for the ranks of a
-    sharded learner that receive their weights from rank 0 (``for_training``: fp32, the same attention
-    implementation as :func:`load_model`, eval mode)."""
+    sharded learner that receive their weights from rank 0 (``for_training``: fp32, computing as :func:`load_model`'s
+    model does, eval mode)."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -356,7 +364,7 @@ def model_shell(model_dir: Path, for_training: bool = False):
         kw = dict(dtype=torch.float32, attn_implementation=attention_implementation(cfg))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, **kw)
-    return model.eval()
+    return _computing(model.eval()) if for_training else model.eval()
 
 
 #: hybrid and state-space architectures that run (issue 54): the native engine's generic path decodes them with the
@@ -457,9 +465,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
     transformers' varlen kernels take them): one causal sdpa call per sequence, so nothing is computed
     across sequences and no [T, T] mask exists (benchmarks/packing.py). Without ``cu_seq_lens_q`` it is
     sdpa itself, call for call."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa = attention.hf_sdpa
     cu = kwargs.pop("cu_seq_lens_q", None)
     if cu is None:
         if _PACKED_FORWARD.get():  # the mask was not built: attending across sequences would be silent
@@ -488,7 +494,7 @@ def _packed_mask(*args, **kwargs):
 def use_packed_attention(model) -> bool:
     """Give ``model`` the packed attention if it runs sdpa (eager models — Gemma 2's soft-capping — keep
     transformers' block-diagonal mask). Returns whether it did."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", attention.NAME):
         return False
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -19,9 +19,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-from unison import gemm
+from unison import attention, gemm
 
 
 def fuse(layer):
@@ -115,15 +114,9 @@ def layer_forward(layer, w: tuple, product, rope, h: torch.Tensor, kc: torch.Ten
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of ``q`` [b, heads, s, d] over the cache's ``k`` / ``v`` [b, kv heads, keys, d] under ``mask``.
-    A bf16 / fp16 decode step (one query row) on the CPU attends in fp32 and rounds its output once to the dtype:
-    torch's CPU kernel for them takes 4–7× fp32's time at one query row (SmolLM2, 9 heads over 70 keys: 2.4 ms
-    against 0.4 ms a layer at 32 rows, AMD EPYC Zen 4); the two differ by about one unit of the dtype's rounding,
-    and what it does to the engine–learner mismatch is measured in docs/cpu.md. Prefills keep torch's kernel."""
-    if q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
-                                              enable_gqa=True).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    """Attention of ``q`` [b, heads, s, d] over the cache's ``k`` / ``v`` [b, kv heads, keys, d] under ``mask``, as
+    the learner attends (:func:`unison.attention.sdpa`: bf16 / fp16 on the CPU in fp32, rounded once)."""
+    return attention.sdpa(q, k, v, mask, scale)
 
 
 def _as_module(module, lin, x, w, b):
