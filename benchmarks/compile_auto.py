@@ -14,8 +14,8 @@ A measurement's choice agrees with the long timing when it compiles a side that 
 ``compilation.SPEEDUP`` × faster, or keeps eager one that it does not (the rule's margin: a side faster by less is
 not compiled by design, whatever the run's length).
 
-    python benchmarks/compile_auto.py --model <SmolLM2 dir>                  # 10 measurements
-    python benchmarks/compile_auto.py --model <SmolLM2 dir> --repeats 3 --threads 2
+    python benchmarks/compile_auto.py --model builtin:smollm2                # 10 measurements
+    python benchmarks/compile_auto.py --model builtin:smollm2 --repeats 3 --threads 2
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def long_timing(a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True, help="a model directory (e.g. SmolLM2-135M's)")
+    p.add_argument("--model", required=True, help="a model directory or builtin:NAME (e.g. builtin:smollm2)")
     p.add_argument("--shape", type=int, nargs=6, default=[60, 32, 128, 46, 4, 512],
                    metavar=("STEPS", "ROWS", "NEW", "PROMPT", "MICRO_BATCHES", "MICRO_TOKENS"),
                    help="the run's shape (compilation.RunShape; default: 60 steps of 32 rows × 128 new tokens after "
@@ -101,8 +101,9 @@ def main() -> None:
     import torch
 
     from unison import compilation
-    from unison.models import load_model
+    from unison.models import load_model, resolve_model_dir
 
+    a.model = resolve_model_dir(a.model)
     a.threads = a.threads or torch.get_num_threads()
     a.params = sum(t.numel() for t in load_model(a.model, dtype=torch.float32).parameters())
     first = fresh_decision(a, "auto", "auto")
