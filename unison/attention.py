@@ -7,7 +7,8 @@ it sums a decode step's row in another order than the learner's row of the whole
 sides, so that the engine's decode steps and prefills (:func:`sdpa`, unison/rollout/decode.py) and the learner's
 forward over the whole sequence (:func:`use`: transformers' sdpa, and unison's packed sdpa, in fp32) compute the
 same attention: a learner whose parameters are cast to the compute dtype (``distributed.param_dtype: compute``)
-then scores what the engine sampled to fp32 summation order. Elsewhere (CUDA, fp32) attention is torch's own.
+then parts from the engine only where fp32 sums do (a decode step's few-row products, a row summed over another
+number of keys: docs/cpu.md measures what that leaves). Elsewhere (CUDA, fp32) attention is torch's own.
 """
 
 from __future__ import annotations
