@@ -168,7 +168,8 @@ def test_half_precision_attention_runs_in_fp32_and_rounds_once_on_both_sides():
     2⁻⁶ in [2, 4)) gives 1.5390625 and 2.53125. The engine's attention (decode steps and prefills) and the
     learner's (transformers' sdpa interface, under autocast too) are that rule."""
     from unison import attention
-    from unison.rollout.decode import attend
+
+    attend = attention.sdpa  # the engine's (unison/rollout/decode.py's layer_forward calls it)
 
     q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
     k = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 1, 2, 2)

@@ -89,7 +89,8 @@ def layer_forward(layer, w: tuple, product, rope, h: torch.Tensor, kc: torch.Ten
                   cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, start: int, act=None, kv=None) -> torch.Tensor:
     """One decoder layer: ``h`` [b, s, d] at cache positions ``start`` … ``start + s − 1`` (K/V written there),
     attending over the cache up to them under ``mask`` [b, 1, s, keys]; ``w`` one entry of
-    :attr:`FastWeights.layers` and ``product`` its :attr:`FastWeights.product` (chosen once); ``rope`` the model's ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
+    :attr:`FastWeights.layers` and ``product`` its :attr:`FastWeights.product` (chosen once); ``rope`` the model's
+    ``apply_rotary_pos_emb``; ``act``: W8A8's quantizer of each
     product's input (q/k/v and gate/up share theirs, as the modules' separate products of one input would)."""
     qkv_w, qkv_b, qkv_n, o_w, o_b, gu_w, gu_b, gu_n, down_w, down_b = w
     lin = product if act is None else (lambda x, w_, b_: product(act(x), w_, b_))
@@ -107,16 +108,10 @@ def layer_forward(layer, w: tuple, product, rope, h: torch.Tensor, kc: torch.Ten
         k, v = kv(k, v)
     kc[:, :, start:end] = k
     vc[:, :, start:end] = v
-    o = attend(q, kc[:, :, :end], vc[:, :, :end], mask, attn.scaling)
+    o = attention.sdpa(q, kc[:, :, :end], vc[:, :, :end], mask, attn.scaling)  # as the learner attends
     h = h + _as_module(attn.o_proj, lin, o.transpose(1, 2).reshape(b, s, -1), o_w, o_b)
     gate, up = lin(layer.post_attention_layernorm(h), gu_w, gu_b).split(gu_n, dim=-1)
     return h + _as_module(mlp.down_proj, lin, mlp.act_fn(gate) * up, down_w, down_b)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of ``q`` [b, heads, s, d] over the cache's ``k`` / ``v`` [b, kv heads, keys, d] under ``mask``, as
-    the learner attends (:func:`unison.attention.sdpa`: bf16 / fp16 on the CPU in fp32, rounded once)."""
-    return attention.sdpa(q, k, v, mask, scale)
 
 
 def _as_module(module, lin, x, w, b):
